@@ -1,0 +1,70 @@
+//! @file psx/cluster.hpp
+//! The shape of a cluster, and the data-set shard each worker reads.
+#pragma once
+
+#include <cstddef>
+#include <iterator>
+
+namespace psx {
+inline namespace v0 {
+
+//! How many servers and workers the cluster has. Worker 0 is the chief.
+struct ClusterConfig {
+  std::size_t num_servers = 1;
+  std::size_t num_workers = 1;
+  friend bool operator==(const ClusterConfig&, const ClusterConfig&) = default;
+};
+
+//! The example indices `index, index + num_shards, index + 2 * num_shards, ...`
+//! below `total`: shard `index` of `num_shards` of a data set, as
+//! `tf.data.Dataset.shard(num_shards, index)` takes it.
+class ShardRange {
+ public:
+  //! Forward iterator over the indices of the shard.
+  class iterator {
+   public:
+    using value_type = std::size_t;
+    using difference_type = std::ptrdiff_t;
+    using iterator_category = std::forward_iterator_tag;
+
+    iterator() = default;
+    iterator(std::size_t value, std::size_t stride) noexcept : value_(value), stride_(stride) {}
+    std::size_t operator*() const noexcept { return value_; }
+    iterator& operator++() noexcept {
+      value_ += stride_;
+      return *this;
+    }
+    iterator operator++(int) noexcept {
+      iterator old = *this;
+      ++*this;
+      return old;
+    }
+    friend bool operator==(const iterator& a, const iterator& b) noexcept { return a.value_ == b.value_; }
+
+   private:
+    std::size_t value_ = 0;
+    std::size_t stride_ = 1;
+  };
+
+  //! Requires `num_shards > 0` and `index < num_shards`.
+  ShardRange(std::size_t total, std::size_t num_shards, std::size_t index) noexcept
+      : first_(index < total ? index : total),
+        stride_(num_shards),
+        count_(index < total ? (total - index + num_shards - 1) / num_shards : 0) {}
+
+  iterator begin() const noexcept { return {first_, stride_}; }
+  iterator end() const noexcept { return {first_ + count_ * stride_, stride_}; }
+  //! Number of indices in the shard.
+  std::size_t size() const noexcept { return count_; }
+  bool empty() const noexcept { return count_ == 0; }
+  //! The `k`-th index of the shard.
+  std::size_t operator[](std::size_t k) const noexcept { return first_ + k * stride_; }
+
+ private:
+  std::size_t first_;
+  std::size_t stride_;
+  std::size_t count_;
+};
+
+}  // namespace v0
+}  // namespace psx

@@ -1,0 +1,354 @@
+//! @file psx/concepts.hpp
+//! The four customization points of `psx::ParameterServer<P, S, O, T>`.
+//!
+//! Index
+//! | concept              | slot | decides                                          | built-ins in            |
+//! | -------------------- | ---- | ------------------------------------------------ | ----------------------- |
+//! | `psx::Partitioner`   | P    | which server owns which rows of which variable   | `psx/partition.hpp`     |
+//! | `psx::SyncPolicy`    | S    | when a push is applied and when a pull returns   | `psx/sync.hpp`          |
+//! | `psx::Optimizer`     | O    | how a server turns a gradient into parameters    | `psx/optim.hpp`         |
+//! | `psx::Transport`     | T    | how requests move between workers and servers    | `psx/transport/*.hpp`   |
+//!
+//! Helper concepts: `psx::SyncState` (what a SyncPolicy makes, one per
+//! server) and `psx::Link` (what a Transport makes, one per cluster).
+//!
+//! Each policy is a plain value type: copyable, holding settings only. State
+//! that changes during training (sync clocks, optimizer slots, sockets) lives
+//! in objects the library creates from it, so one policy value serves many
+//! servers and threads. `ParameterServer` checks each slot with the
+//! `psx::explain_*` functions below, whose `static_assert` messages name the
+//! missing member and the signature to write.
+#pragma once
+
+#include <psx/message.hpp>
+#include <psx/variable.hpp>
+
+#include <concepts>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <type_traits>
+#include <vector>
+
+namespace psx {
+inline namespace v0 {
+
+// ---------------------------------------------------------------------------
+// Vocabulary the concepts speak.
+// ---------------------------------------------------------------------------
+
+//! The optimizer state ("slots") of the parameters being updated: slot `k`
+//! is a span of the same length as the parameters, element-aligned with them.
+class SlotView {
+ public:
+  SlotView() = default;
+  //! `bases[k]` points at slot k's element for parameter 0 of the shard;
+  //! this view covers elements `[offset, offset + length)`.
+  SlotView(float* const* bases, std::size_t count, std::size_t offset, std::size_t length) noexcept
+      : bases_(bases), count_(count), offset_(offset), length_(length) {}
+
+  //! Number of slots.
+  std::size_t size() const noexcept { return count_; }
+  //! Slot `k`, aligned with the parameters being updated.
+  std::span<float> operator[](std::size_t k) const noexcept { return {bases_[k] + offset_, length_}; }
+
+ private:
+  float* const* bases_ = nullptr;
+  std::size_t count_ = 0;
+  std::size_t offset_ = 0;
+  std::size_t length_ = 0;
+};
+
+//! What an optimizer knows about the update it applies.
+struct UpdateContext {
+  //! 1-based count of updates applied to this shard, this one included.
+  std::uint64_t step = 1;
+  //! Factor the sync policy applies to the learning rate (1 by default).
+  float lr_scale = 1.0f;
+  //! The variable being updated.
+  const VariableMeta* variable = nullptr;
+};
+
+//! A push as a sync policy sees it.
+struct PushInfo {
+  std::size_t worker = 0;
+  //! The worker's clock when it pushed (steps it had finished).
+  std::uint64_t clock = 0;
+  const VariableMeta* variable = nullptr;
+};
+
+//! A server's view of training progress, given to the sync policy.
+struct ServerClock {
+  //! Clock of each worker: number of `step()` calls the server has seen from it.
+  std::span<const std::uint64_t> worker_clocks;
+  //! Smallest of `worker_clocks`.
+  std::uint64_t min_clock = 0;
+  //! Aggregated steps this server has applied (0, 1, 2, ...).
+  std::uint64_t applied_steps = 0;
+};
+
+//! What a server does with a push.
+struct PushAction {
+  enum class Kind : std::uint8_t {
+    apply,      //!< apply it now, alone, scaled by `lr_scale`
+    aggregate,  //!< add it to the aggregate of step `clock`, applied when the step completes
+    reject,     //!< refuse it: the worker gets `psx::sync_error`
+  };
+  Kind kind = Kind::apply;
+  float lr_scale = 1.0f;
+};
+
+//! What a transport is told about the cluster it connects.
+struct TransportContext {
+  std::size_t num_servers = 1;
+  std::size_t num_workers = 1;
+};
+
+// ---------------------------------------------------------------------------
+// Partitioner
+// ---------------------------------------------------------------------------
+
+namespace detail {
+template <class P>
+concept has_place = requires(const P& p, const VariableMeta& v, std::size_t num_servers) {
+  { p.place(v, num_servers) } -> std::same_as<std::vector<Shard>>;
+};
+}  // namespace detail
+
+//! Decides which server owns which rows of each variable.
+//!
+//! A type P is a Partitioner when:
+//!  1. it is a copyable value type;
+//!  2. `p.place(meta, num_servers)` (const) returns `std::vector<psx::Shard>`:
+//!     shards ordered by row that tile `[0, meta.rows)` exactly, each on a
+//!     server `< num_servers`. The library checks the answer and throws
+//!     `psx::config_error` naming the variable when it does not tile.
+//!     The answer must depend only on `meta` and `num_servers`, so every
+//!     process computes the same placement.
+//!
+//! @code
+//! struct AllOnServerZero {
+//!   std::vector<psx::Shard> place(const psx::VariableMeta& v, std::size_t) const {
+//!     return {{0, 0, v.rows}};
+//!   }
+//! };
+//! static_assert(psx::Partitioner<AllOnServerZero>);
+//! @endcode
+template <class P>
+concept Partitioner = std::copy_constructible<P> && detail::has_place<P>;
+
+//! Fails to compile, with a message naming the missing member, when P is not a Partitioner.
+template <class P>
+consteval bool explain_partitioner() {
+  static_assert(std::copy_constructible<P>,
+                "psx::Partitioner: the partitioner must be a copyable value type");
+  static_assert(detail::has_place<P>,
+                "psx::Partitioner: missing member "
+                "`std::vector<psx::Shard> place(const psx::VariableMeta& v, std::size_t num_servers) const`");
+  return true;
+}
+
+// ---------------------------------------------------------------------------
+// SyncPolicy
+// ---------------------------------------------------------------------------
+
+namespace detail {
+template <class St>
+concept has_on_push = requires(St& st, const PushInfo& p, const ServerClock& c) {
+  { st.on_push(p, c) } -> std::same_as<PushAction>;
+};
+template <class St>
+concept has_may_pull = requires(const St& st, std::size_t worker, std::uint64_t clock, const ServerClock& c) {
+  { st.may_pull(worker, clock, c) } -> std::same_as<bool>;
+};
+template <class St>
+concept has_step_complete = requires(const St& st, std::uint64_t step, const ServerClock& c) {
+  { st.step_complete(step, c) } -> std::same_as<bool>;
+};
+template <class St>
+concept has_finish = requires(const St& st, std::span<float> sum, std::size_t contributors) {
+  st.finish(sum, contributors);
+};
+template <class S>
+concept has_make_state = requires(const S& s, std::size_t num_workers) { s.make_state(num_workers); };
+}  // namespace detail
+
+//! The per-server object a SyncPolicy makes. The server calls it from its own
+//! thread only, so it needs no locking.
+//!
+//!  1. `on_push(push_info, clock) -> psx::PushAction`: apply the push now,
+//!     add it to the aggregate of step `push_info.clock`, or reject it.
+//!  2. `may_pull(worker, clock, server_clock) const -> bool`: may a pull from
+//!     a worker whose clock is `clock` be answered now? If not, the server
+//!     keeps it and asks again whenever progress changes.
+//!  3. `step_complete(step, server_clock) const -> bool`: may the aggregate
+//!     of `step` (the next one to apply) be applied now?
+//!  4. `finish(sum, contributors) const`: turns the sum of a step's
+//!     contributions, added in worker order, into the gradient to apply
+//!     (a mean divides, a sum does nothing).
+template <class St>
+concept SyncState = detail::has_on_push<St> && detail::has_may_pull<St> &&
+                    detail::has_step_complete<St> && detail::has_finish<St>;
+
+//! Decides when a push is applied and when a pull may return.
+//!
+//! A type S is a SyncPolicy when:
+//!  1. it is a copyable value type;
+//!  2. `s.make_state(num_workers)` (const) returns a `psx::SyncState`, one per server.
+//!
+//! @code
+//! struct ApplyOnArrival {
+//!   struct State {
+//!     psx::PushAction on_push(const psx::PushInfo&, const psx::ServerClock&) { return {}; }
+//!     bool may_pull(std::size_t, std::uint64_t, const psx::ServerClock&) const { return true; }
+//!     bool step_complete(std::uint64_t, const psx::ServerClock&) const { return true; }
+//!     void finish(std::span<float>, std::size_t) const {}
+//!   };
+//!   State make_state(std::size_t) const { return {}; }
+//! };
+//! static_assert(psx::SyncPolicy<ApplyOnArrival>);
+//! @endcode
+template <class S>
+concept SyncPolicy = std::copy_constructible<S> && detail::has_make_state<S> &&
+                     SyncState<decltype(std::declval<const S&>().make_state(std::size_t{}))>;
+
+//! Fails to compile, with a message naming the missing member, when S is not a SyncPolicy.
+template <class S>
+consteval bool explain_sync_policy() {
+  static_assert(std::copy_constructible<S>, "psx::SyncPolicy: the policy must be a copyable value type");
+  static_assert(detail::has_make_state<S>,
+                "psx::SyncPolicy: missing member `State make_state(std::size_t num_workers) const`");
+  if constexpr (detail::has_make_state<S>) {
+    using St = decltype(std::declval<const S&>().make_state(std::size_t{}));
+    static_assert(detail::has_on_push<St>,
+                  "psx::SyncPolicy: the state is missing "
+                  "`psx::PushAction on_push(const psx::PushInfo&, const psx::ServerClock&)`");
+    static_assert(detail::has_may_pull<St>,
+                  "psx::SyncPolicy: the state is missing "
+                  "`bool may_pull(std::size_t worker, std::uint64_t clock, const psx::ServerClock&) const`");
+    static_assert(detail::has_step_complete<St>,
+                  "psx::SyncPolicy: the state is missing "
+                  "`bool step_complete(std::uint64_t step, const psx::ServerClock&) const`");
+    static_assert(detail::has_finish<St>,
+                  "psx::SyncPolicy: the state is missing "
+                  "`void finish(std::span<float> sum, std::size_t contributors) const`");
+  }
+  return true;
+}
+
+// ---------------------------------------------------------------------------
+// Optimizer
+// ---------------------------------------------------------------------------
+
+namespace detail {
+template <class O>
+concept has_slots = requires(const O& o) {
+  { o.slots() } -> std::convertible_to<std::size_t>;
+};
+template <class O>
+concept has_update = requires(const O& o, std::span<float> w, std::span<const float> g,
+                              const SlotView& s, const UpdateContext& ctx) { o.update(w, g, s, ctx); };
+}  // namespace detail
+
+//! Turns gradients into new parameters on a server.
+//!
+//! A type O is an Optimizer when:
+//!  1. it is a copyable value type (hyper-parameters only);
+//!  2. `o.slots()` (const) returns how many floats of state it keeps per
+//!     parameter; the server allocates them beside the shard, zeroed;
+//!  3. `o.update(w, g, slots, ctx)` (const) updates parameters `w` in place
+//!     from gradient `g` (same length) and `slots.size() == o.slots()` state
+//!     spans aligned with `w`. Dense pushes call it once per shard; row
+//!     pushes once per touched row, with `w`, `g` and the slots being that row.
+//!
+//! @code
+//! struct PlainSGD {
+//!   float lr = 0.01f;
+//!   std::size_t slots() const { return 0; }
+//!   void update(std::span<float> w, std::span<const float> g, const psx::SlotView&,
+//!               const psx::UpdateContext& ctx) const {
+//!     for (std::size_t i = 0; i < w.size(); ++i) w[i] -= lr * ctx.lr_scale * g[i];
+//!   }
+//! };
+//! static_assert(psx::Optimizer<PlainSGD>);
+//! @endcode
+template <class O>
+concept Optimizer = std::copy_constructible<O> && detail::has_slots<O> && detail::has_update<O>;
+
+//! Fails to compile, with a message naming the missing member, when O is not an Optimizer.
+template <class O>
+consteval bool explain_optimizer() {
+  static_assert(std::copy_constructible<O>, "psx::Optimizer: the optimizer must be a copyable value type");
+  static_assert(detail::has_slots<O>, "psx::Optimizer: missing member `std::size_t slots() const`");
+  static_assert(detail::has_update<O>,
+                "psx::Optimizer: missing member `void update(std::span<float> w, std::span<const float> g, "
+                "const psx::SlotView& slots, const psx::UpdateContext& ctx) const`");
+  return true;
+}
+
+// ---------------------------------------------------------------------------
+// Transport
+// ---------------------------------------------------------------------------
+
+namespace detail {
+template <class L>
+concept has_send = requires(L& l, std::size_t server, Request&& r) { l.send(server, std::move(r)); };
+template <class L>
+concept has_serve = requires(L& l, std::size_t server, RequestHandler& h) { l.serve(server, h); };
+template <class L>
+concept has_close = requires(L& l) {
+  { l.close() } noexcept;
+};
+template <class T>
+concept has_connect = requires(const T& t, const TransportContext& ctx) {
+  typename T::link_type;
+  { t.connect(ctx) } -> std::same_as<std::unique_ptr<typename T::link_type>>;
+};
+}  // namespace detail
+
+//! The per-cluster object a Transport makes.
+//!
+//!  1. `send(server, request)`: delivers `request` to server `server`; requests
+//!     from one worker to one server arrive in the order they were sent.
+//!     Throws `psx::shutdown_error` once closed. Thread-safe.
+//!  2. `serve(server, handler)`: runs server `server`'s receive loop in the
+//!     calling thread, handing each request to `handler`, until `close()`;
+//!     then calls `handler.drain(...)` and returns.
+//!  3. `close() noexcept`: stops every loop; requests not yet handled finish
+//!     with `psx::shutdown_error`. Idempotent.
+template <class L>
+concept Link = detail::has_send<L> && detail::has_serve<L> && detail::has_close<L>;
+
+//! Moves requests between workers and servers.
+//!
+//! A type T is a Transport when:
+//!  1. it is a copyable value type (settings only);
+//!  2. it names its link type `T::link_type`, a `psx::Link`;
+//!  3. `t.connect(ctx)` (const) returns `std::unique_ptr<T::link_type>`.
+//!
+//! `psx::transport::InProcess` is the reference implementation.
+template <class T>
+concept Transport = std::copy_constructible<T> && detail::has_connect<T> && Link<typename T::link_type>;
+
+//! Fails to compile, with a message naming the missing member, when T is not a Transport.
+template <class T>
+consteval bool explain_transport() {
+  static_assert(std::copy_constructible<T>, "psx::Transport: the transport must be a copyable value type");
+  static_assert(detail::has_connect<T>,
+                "psx::Transport: missing `using link_type = ...;` and "
+                "`std::unique_ptr<link_type> connect(const psx::TransportContext&) const`");
+  if constexpr (detail::has_connect<T>) {
+    using L = typename T::link_type;
+    static_assert(detail::has_send<L>,
+                  "psx::Transport: the link is missing `void send(std::size_t server, psx::Request&& r)`");
+    static_assert(detail::has_serve<L>,
+                  "psx::Transport: the link is missing "
+                  "`void serve(std::size_t server, psx::RequestHandler& handler)`");
+    static_assert(detail::has_close<L>, "psx::Transport: the link is missing `void close() noexcept`");
+  }
+  return true;
+}
+
+}  // namespace v0
+}  // namespace psx

@@ -1,0 +1,48 @@
+//! @file psx/detail/span.hpp
+//! Small helpers shared by the worker and the server.
+#pragma once
+
+#include <cstddef>
+#include <cstring>
+#include <functional>
+#include <numeric>
+#include <span>
+#include <sstream>
+#include <string>
+#include <vector>
+
+namespace psx {
+inline namespace v0 {
+namespace detail {
+
+//! "[784, 10]": a shape as error messages print it.
+inline std::string shape_string(std::span<const std::size_t> shape) {
+  std::ostringstream os;
+  os << '[';
+  for (std::size_t i = 0; i < shape.size(); ++i) os << (i ? ", " : "") << shape[i];
+  os << ']';
+  return os.str();
+}
+
+//! Product of the extents (1 for a scalar's empty shape).
+inline std::size_t element_count(std::span<const std::size_t> shape) noexcept {
+  return std::accumulate(shape.begin(), shape.end(), std::size_t{1}, std::multiplies<>{});
+}
+
+//! Copies `n` floats. Rows of embedding tables are short (8 to 128 floats),
+//! where a call to memcpy per row costs as much as the copy; copies of a
+//! size known at compile time are inlined as a few vector moves instead.
+inline void copy_floats(float* dst, const float* src, std::size_t n) noexcept {
+  switch (n) {
+    case 4: std::memcpy(dst, src, 4 * sizeof(float)); return;
+    case 8: std::memcpy(dst, src, 8 * sizeof(float)); return;
+    case 16: std::memcpy(dst, src, 16 * sizeof(float)); return;
+    case 32: std::memcpy(dst, src, 32 * sizeof(float)); return;
+    case 64: std::memcpy(dst, src, 64 * sizeof(float)); return;
+    default: std::memcpy(dst, src, n * sizeof(float));
+  }
+}
+
+}  // namespace detail
+}  // namespace v0
+}  // namespace psx

@@ -1,0 +1,119 @@
+//! @file psx/message.hpp
+//! What travels between a worker and a server: a Request naming an operation
+//! and the items (variable shards) it touches, and the Completion a worker
+//! waits on. A Transport moves Requests; a server handles them.
+//!
+//! In one process a Request carries spans of the caller's own buffers: the
+//! server reads gradients from them and writes parameters into them, so
+//! nothing is serialized or copied on the way. A transport between processes
+//! encodes the same Request on the wire (see docs/wire.md) and decodes it into
+//! spans over the received message.
+#pragma once
+
+#include <psx/errors.hpp>
+
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <vector>
+
+namespace psx {
+inline namespace v0 {
+
+//! The operations a server answers.
+enum class Op : std::uint8_t {
+  pull,       //!< copy whole shards into `Item::out`
+  push,       //!< gradient for whole shards from `Item::in`
+  pull_rows,  //!< copy rows `Item::ids` into `Item::out`
+  push_rows,  //!< gradient rows for `Item::ids` from `Item::in`
+  clock,      //!< the worker finished step `clock - 1` (carries no item)
+  join,       //!< the worker (re)joins: sync waits count it again (carries no item)
+  leave,      //!< the worker is done: sync waits no longer count it (carries no item)
+  barrier,    //!< wait until every worker has reached the same barrier (server 0 only)
+  read,       //!< like pull, but never waits for the sync policy (inspection)
+};
+
+//! One shard of one variable touched by a request.
+struct Item {
+  std::uint32_t variable = 0;
+  //! Index in the variable's `VariableInfo::shards`.
+  std::uint32_t shard = 0;
+  //! Row ops: global row ids of this shard's rows, in the caller's order.
+  std::span<const std::uint64_t> ids;
+  //! Row ops: for each id, the row of `in`/`out` it maps to; empty means
+  //! `0, 1, 2, ...`.
+  std::span<const std::uint32_t> positions;
+  //! Push: the gradient (the shard's floats, or the caller's rows).
+  std::span<const float> in;
+  //! Pull: where the values go.
+  std::span<float> out;
+};
+
+//! Shared state of one user-level call, possibly fanned out to several
+//! servers: it completes when every part has, with the first error kept.
+class Completion {
+ public:
+  explicit Completion(std::size_t parts) : pending_(parts) {}
+
+  //! One part finished; `error` is null on success.
+  void finish(std::exception_ptr error = nullptr) {
+    std::lock_guard lock(mu_);
+    if (error && !error_) error_ = std::move(error);
+    if (pending_ > 0 && --pending_ == 0) cv_.notify_all();
+  }
+
+  //! Blocks until every part finished; rethrows the first error.
+  void wait() {
+    std::unique_lock lock(mu_);
+    cv_.wait(lock, [&] { return pending_ == 0; });
+    if (error_) std::rethrow_exception(error_);
+  }
+
+  //! True once every part finished.
+  bool ready() const {
+    std::lock_guard lock(mu_);
+    return pending_ == 0;
+  }
+
+ private:
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::size_t pending_;
+  std::exception_ptr error_;
+};
+
+//! One message from a worker to one server.
+struct Request {
+  Op op = Op::pull;
+  std::uint32_t worker = 0;
+  //! The worker's clock (number of `step()` calls) when it sent this.
+  std::uint64_t clock = 0;
+  std::vector<Item> items;
+  //! Finished by the server once the request is answered; may be null for
+  //! fire-and-forget messages (clock ticks).
+  std::shared_ptr<Completion> done;
+
+  void finish(std::exception_ptr error = nullptr) const {
+    if (done) done->finish(std::move(error));
+  }
+};
+
+//! The server side of a transport: what `Link::serve` hands requests to.
+class RequestHandler {
+ public:
+  //! Answers `r` now or keeps it until the sync policy lets it through.
+  //! Errors finish the request; nothing escapes.
+  virtual void handle(Request&& r) noexcept = 0;
+  //! The link is closing: finish every request still kept with `error`.
+  virtual void drain(std::exception_ptr error) noexcept = 0;
+
+ protected:
+  ~RequestHandler() = default;
+};
+
+}  // namespace v0
+}  // namespace psx

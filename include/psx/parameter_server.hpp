@@ -1,0 +1,271 @@
+//! @file psx/parameter_server.hpp
+//! `psx::ParameterServer<P, S, O, T>`: the composition of a partitioner, a
+//! sync policy, an optimizer and a transport.
+#pragma once
+
+#include <psx/cluster.hpp>
+#include <psx/concepts.hpp>
+#include <psx/errors.hpp>
+#include <psx/optim.hpp>
+#include <psx/partition.hpp>
+#include <psx/server.hpp>
+#include <psx/sync.hpp>
+#include <psx/transport/inprocess.hpp>
+#include <psx/variable.hpp>
+#include <psx/worker.hpp>
+
+#include <algorithm>
+#include <atomic>
+#include <cstddef>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <vector>
+
+namespace psx {
+inline namespace v0 {
+
+//! A parameter-server cluster composed at compile time.
+//!
+//! @tparam P a `psx::Partitioner`: where each variable's rows live
+//! @tparam S a `psx::SyncPolicy`: when pushes apply and pulls return
+//! @tparam O a `psx::Optimizer`: how servers apply gradients
+//! @tparam T a `psx::Transport`: how requests travel
+//!
+//! Life cycle: `declare` the variables, then `run` the worker function on
+//! every worker (or `start` and drive `worker(i)` from threads of your own),
+//! then `shutdown` (the destructor does it too). With `transport::InProcess`
+//! the servers are threads of this process: the embedded local cluster.
+template <class P = partition::HashByName, class S = sync::Synchronous, class O = optim::SGD,
+          class T = transport::InProcess>
+class ParameterServer {
+  static_assert(explain_partitioner<P>());
+  static_assert(explain_sync_policy<S>());
+  static_assert(explain_optimizer<O>());
+  static_assert(explain_transport<T>());
+
+ public:
+  using partitioner_type = P;
+  using sync_policy_type = S;
+  using optimizer_type = O;
+  using transport_type = T;
+  using server_type = Server<S, O>;
+
+  explicit ParameterServer(ClusterConfig config, P partitioner = {}, S sync = {}, O optimizer = {},
+                           T transport = {})
+      : partitioner_(std::move(partitioner)),
+        sync_(std::move(sync)),
+        optimizer_(std::move(optimizer)),
+        transport_(std::move(transport)),
+        core_(std::make_unique<detail::ClusterCore>()) {
+    if (config.num_servers == 0 || config.num_workers == 0)
+      throw config_error("psx: a cluster needs at least one server and one worker (got " +
+                         std::to_string(config.num_servers) + " servers, " + std::to_string(config.num_workers) +
+                         " workers)");
+    core_->config = config;
+    core_->clocks.assign(config.num_workers, 0);
+  }
+
+  ParameterServer(const ParameterServer&) = delete;
+  ParameterServer& operator=(const ParameterServer&) = delete;
+  ~ParameterServer() { shutdown(); }
+
+  const ClusterConfig& config() const noexcept { return core_->config; }
+  const P& partitioner() const noexcept { return partitioner_; }
+  const S& sync_policy() const noexcept { return sync_; }
+  const O& optimizer() const noexcept { return optimizer_; }
+
+  //! Declares a variable and places it. Only before `start()`/`run()`.
+  //! Throws `psx::duplicate_variable`, `psx::shape_error`, or `psx::config_error`
+  //! (after start, or when the partitioner's placement does not tile the rows).
+  const VariableInfo& declare(VariableSpec spec) {
+    if (core_->by_name.contains(spec.name))
+      throw duplicate_variable("psx: variable '" + spec.name + "' is already declared (shape " +
+                               detail::shape_string(variable(spec.name).meta.shape) + "); the second declaration has shape " +
+                               detail::shape_string(spec.shape));
+    if (started_)
+      throw config_error("psx: declare('" + spec.name + "') after the cluster started; declare every variable first");
+    VariableInfo info;
+    info.meta = detail::make_meta(spec, static_cast<std::uint32_t>(core_->variables.size()));
+    info.init = spec.init;
+    info.trainable = spec.trainable;
+    info.shards = partitioner_.place(info.meta, config().num_servers);
+    detail::check_placement(info.meta, info.shards, config().num_servers);
+    core_->by_name.emplace(info.meta.name, info.meta.id);
+    core_->variables.push_back(std::move(info));
+    return core_->variables.back();
+  }
+
+  //! The variable declared as `name`; throws `psx::unknown_variable`.
+  const VariableInfo& variable(std::string_view name) const { return core_->find(name, "lookup", 0); }
+  const std::vector<VariableInfo>& variables() const noexcept { return core_->variables; }
+
+  //! Starts the servers: each builds and initializes its shards, then serves
+  //! on its own thread. Idempotent; throws `psx::shutdown_error` after shutdown.
+  void start() {
+    if (core_->stopped.load()) throw shutdown_error("psx: start() after shutdown");
+    if (started_) return;
+    started_ = true;
+    auto* link = [&] {
+      std::lock_guard lock(link_mu_);
+      link_ = transport_.connect(TransportContext{config().num_servers, config().num_workers});
+      return link_.get();
+    }();
+    core_->send = [link](std::size_t server, Request&& r) { link->send(server, std::move(r)); };
+    servers_.reserve(config().num_servers);
+    for (std::size_t s = 0; s < config().num_servers; ++s)
+      servers_.push_back(std::make_unique<server_type>(s, config().num_workers, core_->variables, sync_, optimizer_));
+    for (std::size_t s = 0; s < config().num_servers; ++s)
+      threads_.emplace_back([link, server = servers_[s].get(), s] { link->serve(s, *server); });
+  }
+
+  //! Worker `index`'s handle, for callers that run workers on threads of their own.
+  Worker worker(std::size_t index) {
+    if (index >= config().num_workers)
+      throw config_error("psx: worker " + std::to_string(index) + " of a cluster of " +
+                         std::to_string(config().num_workers) + " workers");
+    start();
+    return Worker(*core_, index);
+  }
+
+  //! Runs `fn(worker)` for every worker, each on its own thread, and returns
+  //! when all have. A worker that returns leaves the cluster (synchronous
+  //! steps stop waiting for it). If one throws, the cluster shuts down so no
+  //! other worker waits forever, and the first exception is rethrown.
+  template <class F>
+    requires std::invocable<F&, Worker&>
+  void run(F&& fn) {
+    start();
+    {
+      // Every worker counts again for the sync policy before any of them
+      // starts, at the clock of the furthest one: a second run continues
+      // from the last step of the first, whatever each worker did then.
+      const std::uint64_t clock = *std::max_element(core_->clocks.begin(), core_->clocks.end());
+      auto joined = std::make_shared<Completion>(config().num_servers * config().num_workers);
+      for (std::size_t w = 0; w < config().num_workers; ++w) {
+        core_->clocks[w] = clock;
+        for (std::size_t s = 0; s < config().num_servers; ++s) {
+          Request r;
+          r.op = Op::join;
+          r.worker = static_cast<std::uint32_t>(w);
+          r.clock = clock;
+          r.done = joined;
+          core_->send(s, std::move(r));
+        }
+      }
+      joined->wait();
+    }
+    std::exception_ptr first;
+    std::mutex mu;
+    std::vector<std::thread> workers;
+    workers.reserve(config().num_workers);
+    for (std::size_t w = 0; w < config().num_workers; ++w) {
+      workers.emplace_back([&, w] {
+        Worker worker(*core_, w);
+        try {
+          fn(worker);
+          leave(w);
+        } catch (...) {
+          {
+            std::lock_guard lock(mu);
+            if (!first) first = std::current_exception();
+          }
+          shutdown_link();
+        }
+      });
+    }
+    for (auto& t : workers) t.join();
+    if (first) {
+      shutdown();
+      std::rethrow_exception(first);
+    }
+  }
+
+  //! The current value of variable `name`, read from its servers without
+  //! waiting for the sync policy (use it between runs, or to watch).
+  std::vector<float> read(std::string_view name) {
+    start();
+    if (core_->stopped.load()) throw shutdown_error("psx: read('" + std::string(name) + "') after shutdown");
+    const VariableInfo& v = variable(name);
+    std::vector<float> out(v.meta.size());
+    std::vector<Request> per_server(config().num_servers);
+    for (std::size_t k = 0; k < v.shards.size(); ++k) {
+      const Shard& sh = v.shards[k];
+      Item item;
+      item.variable = v.meta.id;
+      item.shard = static_cast<std::uint32_t>(k);
+      item.out = std::span(out).subspan(sh.row_begin * v.meta.row_width, sh.rows() * v.meta.row_width);
+      per_server[sh.server].op = Op::read;
+      per_server[sh.server].items.push_back(item);
+    }
+    std::size_t parts = 0;
+    for (auto& r : per_server) parts += !r.items.empty();
+    auto done = std::make_shared<Completion>(parts);
+    for (std::size_t s = 0; s < per_server.size(); ++s) {
+      if (per_server[s].items.empty()) continue;
+      per_server[s].done = done;
+      try {
+        core_->send(s, std::move(per_server[s]));
+      } catch (...) {
+        done->finish(std::current_exception());
+      }
+    }
+    done->wait();
+    return out;
+  }
+
+  //! Stops the servers and joins their threads. Requests in flight and calls
+  //! made later fail with `psx::shutdown_error`. Safe from any thread, any
+  //! number of times; never waits on a worker.
+  void shutdown() noexcept {
+    shutdown_link();
+    std::lock_guard lock(join_mu_);
+    for (auto& t : threads_)
+      if (t.joinable() && t.get_id() != std::this_thread::get_id()) t.join();
+  }
+
+  //! True between `start()` and `shutdown()`.
+  bool running() const noexcept { return started_ && !core_->stopped.load(); }
+
+ private:
+  void shutdown_link() noexcept {
+    core_->stopped.store(true, std::memory_order_release);
+    std::lock_guard lock(link_mu_);
+    if (link_) link_->close();
+  }
+
+  void leave(std::size_t w) {
+    for (std::size_t s = 0; s < config().num_servers; ++s) {
+      Request r;
+      r.op = Op::leave;
+      r.worker = static_cast<std::uint32_t>(w);
+      try {
+        core_->send(s, std::move(r));
+      } catch (const shutdown_error&) {  // already stopping: nobody waits for it
+      }
+    }
+  }
+
+  P partitioner_;
+  S sync_;
+  O optimizer_;
+  T transport_;
+  std::unique_ptr<detail::ClusterCore> core_;
+  std::atomic<bool> started_{false};
+  std::mutex link_mu_;
+  std::mutex join_mu_;
+  std::unique_ptr<typename T::link_type> link_;
+  std::vector<std::unique_ptr<server_type>> servers_;
+  std::vector<std::thread> threads_;
+};
+
+//! The embedded default: servers and workers as threads of this process.
+template <class P = partition::HashByName, class S = sync::Synchronous, class O = optim::SGD>
+using LocalCluster = ParameterServer<P, S, O, transport::InProcess>;
+
+}  // namespace v0
+}  // namespace psx

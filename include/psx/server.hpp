@@ -1,0 +1,450 @@
+//! @file psx/server.hpp
+//! A parameter server: owns shards of variables with their optimizer slots,
+//! applies gradients as the sync policy says, answers pulls. One thread runs
+//! it (the transport's `serve` loop), so its state needs no lock; requests
+//! the sync policy holds back are kept and retried when progress changes,
+//! never waited on.
+#pragma once
+
+#include <psx/concepts.hpp>
+#include <psx/detail/span.hpp>
+#include <psx/errors.hpp>
+#include <psx/message.hpp>
+#include <psx/variable.hpp>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <deque>
+#include <limits>
+#include <map>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+namespace psx {
+inline namespace v0 {
+namespace detail {
+
+// Rows of one shard, each summed over every time it was added (duplicate ids
+// in a push are summed, not overwritten), kept in first-seen order.
+class RowAccumulator {
+ public:
+  explicit RowAccumulator(std::size_t width = 0) : width_(width) {}
+
+  void add(std::uint64_t row, const float* g) {
+    auto [it, inserted] = index_.try_emplace(row, rows_.size());
+    if (inserted) {
+      rows_.push_back(row);
+      data_.insert(data_.end(), g, g + width_);
+    } else {
+      float* dst = data_.data() + it->second * width_;
+      for (std::size_t i = 0; i < width_; ++i) dst[i] += g[i];
+    }
+  }
+
+  void clear() noexcept {
+    rows_.clear();
+    data_.clear();
+    index_.clear();
+  }
+
+  bool empty() const noexcept { return rows_.empty(); }
+  const std::vector<std::uint64_t>& rows() const noexcept { return rows_; }
+  std::vector<float>& data() noexcept { return data_; }
+  const float* row_data(std::size_t k) const noexcept { return data_.data() + k * width_; }
+
+ private:
+  std::size_t width_;
+  std::vector<std::uint64_t> rows_;
+  std::vector<float> data_;
+  std::unordered_map<std::uint64_t, std::size_t> index_;
+};
+
+// One worker's gradient for one shard in one step: the sum of its pushes.
+struct Contribution {
+  bool present = false;
+  std::vector<float> dense;  // the whole shard, or empty when only rows were pushed
+  RowAccumulator rows;
+};
+
+}  // namespace detail
+
+//! A server of the cluster: holds the shards the partitioner gave it.
+template <class S, class O>
+class Server final : public RequestHandler {
+  using SyncStateT = decltype(std::declval<const S&>().make_state(std::size_t{}));
+
+ public:
+  //! `variables` must outlive the server (shards point at their entries).
+  Server(std::size_t index, std::size_t num_workers, const std::vector<VariableInfo>& variables,
+         const S& sync, const O& optimizer)
+      : index_(index),
+        sync_(sync.make_state(num_workers)),
+        optimizer_(optimizer),
+        clocks_(num_workers, 0),
+        departed_(num_workers, false) {
+    shards_.resize(variables.size());
+    for (const VariableInfo& v : variables) {
+      shards_[v.meta.id].resize(v.shards.size());
+      for (std::size_t k = 0; k < v.shards.size(); ++k)
+        if (v.shards[k].server == index) shards_[v.meta.id][k] = make_shard(v, k);
+    }
+  }
+
+  Server(const Server&) = delete;
+  Server& operator=(const Server&) = delete;
+
+  void handle(Request&& r) noexcept override {
+    try {
+      dispatch(std::move(r));
+    } catch (...) {
+      r.finish(std::current_exception());
+    }
+  }
+
+  void drain(std::exception_ptr error) noexcept override {
+    for (Request& r : parked_) r.finish(error);
+    for (Request& r : barrier_) r.finish(error);
+    parked_.clear();
+    barrier_.clear();
+  }
+
+  //! Number of aggregated steps applied.
+  std::uint64_t applied_steps() const noexcept { return applied_; }
+
+ private:
+  struct ShardState {
+    const VariableInfo* var = nullptr;
+    Shard shard;
+    std::vector<float> params;
+    std::vector<float> slots;
+    std::vector<float*> slot_bases;
+    std::uint64_t updates = 0;
+    // Step -> each worker's contribution, for aggregating policies.
+    std::map<std::uint64_t, std::vector<detail::Contribution>> pending;
+
+    std::size_t width() const noexcept { return var->meta.row_width; }
+    SlotView slot_view(std::size_t offset, std::size_t length) const noexcept {
+      return {slot_bases.data(), slot_bases.size(), offset, length};
+    }
+  };
+
+  std::unique_ptr<ShardState> make_shard(const VariableInfo& v, std::size_t k) const {
+    auto s = std::make_unique<ShardState>();
+    s->var = &v;
+    s->shard = v.shards[k];
+    const std::size_t width = v.meta.row_width;
+    const std::size_t n = s->shard.rows() * width;
+    s->params.resize(n);
+    v.init.fill(v.meta.name, s->shard.row_begin * width, s->params);
+    const std::size_t num_slots = optimizer_.slots();
+    s->slots.assign(num_slots * n, 0.0f);
+    for (std::size_t j = 0; j < num_slots; ++j) s->slot_bases.push_back(s->slots.data() + j * n);
+    return s;
+  }
+
+  ServerClock server_clock() const noexcept {
+    return {clocks_, min_clock_, applied_};
+  }
+
+  std::string where(const Request& r) const {
+    return "server " + std::to_string(index_) + ", request from worker " + std::to_string(r.worker);
+  }
+
+  ShardState& shard_for(const Request& r, const Item& item) {
+    if (item.variable >= shards_.size() || item.shard >= shards_[item.variable].size() ||
+        !shards_[item.variable][item.shard])
+      throw wire_error("psx: " + where(r) + " names shard " + std::to_string(item.shard) + " of variable " +
+                       std::to_string(item.variable) + ", which this server does not hold");
+    return *shards_[item.variable][item.shard];
+  }
+
+  // Checks an item's sizes against its shard; returns the shard.
+  ShardState& checked(const Request& r, const Item& item, bool rows, bool push) {
+    ShardState& s = shard_for(r, item);
+    const std::size_t width = s.width();
+    const std::size_t got = push ? item.in.size() : item.out.size();
+    const std::string& name = s.var->meta.name;
+    if (!rows) {
+      if (got != s.params.size())
+        throw wire_error("psx: " + where(r) + ": variable '" + name + "' shard has " +
+                         std::to_string(s.params.size()) + " floats, the request carries " +
+                         std::to_string(got));
+      return s;
+    }
+    if (!item.positions.empty() && item.positions.size() != item.ids.size())
+      throw wire_error("psx: " + where(r) + ": variable '" + name + "': " + std::to_string(item.ids.size()) +
+                       " ids but " + std::to_string(item.positions.size()) + " positions");
+    const std::size_t buffer_rows = got / width;
+    for (std::size_t j = 0; j < item.ids.size(); ++j) {
+      const std::uint64_t id = item.ids[j];
+      const std::size_t pos = item.positions.empty() ? j : item.positions[j];
+      if (id < s.shard.row_begin || id >= s.shard.row_end)
+        throw row_out_of_range("psx: " + where(r) + ": row " + std::to_string(id) + " of variable '" + name +
+                               "' is not in this shard's rows [" + std::to_string(s.shard.row_begin) + ", " +
+                               std::to_string(s.shard.row_end) + ")");
+      if (pos >= buffer_rows)
+        throw wire_error("psx: " + where(r) + ": variable '" + name + "': row position " +
+                         std::to_string(pos) + " beyond the " + std::to_string(buffer_rows) +
+                         "-row buffer");
+    }
+    return s;
+  }
+
+  void dispatch(Request&& r) {
+    if (r.op != Op::read && r.worker >= clocks_.size())
+      throw wire_error("psx: server " + std::to_string(index_) + ": request from worker " +
+                       std::to_string(r.worker) + " of " + std::to_string(clocks_.size()));
+    switch (r.op) {
+      case Op::pull:
+      case Op::pull_rows:
+      case Op::read:
+        for (const Item& item : r.items) checked(r, item, r.op == Op::pull_rows, false);
+        if (r.op != Op::read && !sync_.may_pull(r.worker, r.clock, server_clock())) {
+          parked_.push_back(std::move(r));
+          return;
+        }
+        answer_pull(r);
+        break;
+      case Op::push:
+      case Op::push_rows:
+        push(r);
+        advance();
+        break;
+      case Op::clock:
+      case Op::join:
+      case Op::leave:
+        tick(r);
+        advance();
+        break;
+      case Op::barrier:
+        barrier_.push_back(std::move(r));
+        release_barrier();
+        return;
+      default:
+        throw wire_error("psx: " + where(r) + " has unknown operation " +
+                         std::to_string(static_cast<unsigned>(r.op)));
+    }
+    r.finish();  // last: an error above finishes the request once, in handle()
+  }
+
+  void answer_pull(const Request& r) {
+    const bool rows = r.op == Op::pull_rows;
+    for (const Item& item : r.items) {
+      ShardState& s = shard_for(r, item);
+      if (!rows) {
+        std::memcpy(item.out.data(), s.params.data(), s.params.size() * sizeof(float));
+        continue;
+      }
+      const std::size_t width = s.width();
+      const float* base = s.params.data();
+      const std::size_t first = s.shard.row_begin;
+      if (item.positions.empty()) {
+        for (std::size_t j = 0; j < item.ids.size(); ++j)
+          detail::copy_floats(item.out.data() + j * width, base + (item.ids[j] - first) * width, width);
+      } else {
+        for (std::size_t j = 0; j < item.ids.size(); ++j)
+          detail::copy_floats(item.out.data() + item.positions[j] * width, base + (item.ids[j] - first) * width, width);
+      }
+    }
+  }
+
+  void push(const Request& r) {
+    const bool rows = r.op == Op::push_rows;
+    // Decide every item first, so a refused request changes nothing.
+    std::vector<PushAction> actions;
+    actions.reserve(r.items.size());
+    for (const Item& item : r.items) {
+      ShardState& s = checked(r, item, rows, true);
+      if (!s.var->trainable)
+        throw frozen_variable("psx: " + where(r) + ": variable '" + s.var->meta.name + "' is not trainable");
+      actions.push_back(sync_.on_push({r.worker, r.clock, &s.var->meta}, server_clock()));
+      if (actions.back().kind == PushAction::Kind::reject)
+        throw sync_error("psx: " + where(r) + ": the sync policy refused a push to '" + s.var->meta.name +
+                         "' stamped with step " + std::to_string(r.clock) + " (server has applied " +
+                         std::to_string(applied_) + " steps)");
+    }
+    for (std::size_t i = 0; i < r.items.size(); ++i) {
+      const Item& item = r.items[i];
+      ShardState& s = shard_for(r, item);
+      if (actions[i].kind == PushAction::Kind::apply) {
+        if (rows) {
+          scratch_rows(s, item);
+          apply_rows(s, scratch_, actions[i].lr_scale);
+        } else {
+          apply_dense(s, item.in, actions[i].lr_scale);
+        }
+        continue;
+      }
+      auto& by_worker = s.pending[r.clock];
+      if (by_worker.empty()) by_worker.resize(clocks_.size());
+      detail::Contribution& c = by_worker[r.worker];
+      if (!c.present) {
+        c.present = true;
+        c.rows = detail::RowAccumulator(s.width());
+      }
+      if (rows) {
+        add_rows(s, c, item);
+      } else {
+        if (c.dense.empty()) {
+          c.dense.assign(item.in.begin(), item.in.end());
+          if (!c.rows.empty()) scatter_add(s, c.dense, c.rows);  // rows came first: fold them in
+          c.rows.clear();
+        } else {
+          for (std::size_t k = 0; k < c.dense.size(); ++k) c.dense[k] += item.in[k];
+        }
+      }
+    }
+  }
+
+  void add_rows(const ShardState& s, detail::Contribution& c, const Item& item) const {
+    const std::size_t width = s.width();
+    for (std::size_t j = 0; j < item.ids.size(); ++j) {
+      const std::size_t pos = item.positions.empty() ? j : item.positions[j];
+      const std::uint64_t row = item.ids[j] - s.shard.row_begin;
+      const float* g = item.in.data() + pos * width;
+      if (c.dense.empty()) {
+        c.rows.add(row, g);
+      } else {
+        float* dst = c.dense.data() + row * width;
+        for (std::size_t k = 0; k < width; ++k) dst[k] += g[k];
+      }
+    }
+  }
+
+  static void scatter_add(const ShardState& s, std::vector<float>& dense, detail::RowAccumulator& rows) {
+    const std::size_t width = s.width();
+    for (std::size_t k = 0; k < rows.rows().size(); ++k) {
+      float* dst = dense.data() + rows.rows()[k] * width;
+      const float* src = rows.row_data(k);
+      for (std::size_t i = 0; i < width; ++i) dst[i] += src[i];
+    }
+  }
+
+  void scratch_rows(const ShardState& s, const Item& item) {
+    scratch_ = detail::RowAccumulator(s.width());
+    const std::size_t width = s.width();
+    for (std::size_t j = 0; j < item.ids.size(); ++j) {
+      const std::size_t pos = item.positions.empty() ? j : item.positions[j];
+      scratch_.add(item.ids[j] - s.shard.row_begin, item.in.data() + pos * width);
+    }
+  }
+
+  void apply_dense(ShardState& s, std::span<const float> g, float lr_scale) {
+    const UpdateContext ctx{++s.updates, lr_scale, &s.var->meta};
+    optimizer_.update(s.params, g, s.slot_view(0, s.params.size()), ctx);
+  }
+
+  void apply_rows(ShardState& s, const detail::RowAccumulator& rows, float lr_scale) {
+    const UpdateContext ctx{++s.updates, lr_scale, &s.var->meta};
+    const std::size_t width = s.width();
+    for (std::size_t k = 0; k < rows.rows().size(); ++k) {
+      const std::size_t offset = rows.rows()[k] * width;
+      optimizer_.update(std::span<float>(s.params.data() + offset, width),
+                        std::span<const float>(rows.row_data(k), width), s.slot_view(offset, width), ctx);
+    }
+  }
+
+  // Applies the aggregate of `step` to every shard that received pushes for it.
+  void apply_step(std::uint64_t step) {
+    for (auto& per_var : shards_) {
+      for (auto& sp : per_var) {
+        if (!sp) continue;
+        ShardState& s = *sp;
+        auto it = s.pending.find(step);
+        if (it == s.pending.end()) continue;
+        std::vector<detail::Contribution>& by_worker = it->second;
+        std::size_t contributors = 0;
+        bool any_dense = false;
+        for (const auto& c : by_worker) {
+          contributors += c.present;
+          any_dense = any_dense || !c.dense.empty();
+        }
+        if (any_dense) {
+          // Sum in worker order; a worker that pushed rows only adds them where they are.
+          std::vector<float> sum;
+          for (auto& c : by_worker) {
+            if (!c.present) continue;
+            if (sum.empty() && !c.dense.empty()) {
+              sum = std::move(c.dense);
+            } else if (sum.empty()) {
+              sum.assign(s.params.size(), 0.0f);
+              scatter_add(s, sum, c.rows);
+            } else if (!c.dense.empty()) {
+              for (std::size_t k = 0; k < sum.size(); ++k) sum[k] += c.dense[k];
+            } else {
+              scatter_add(s, sum, c.rows);
+            }
+          }
+          sync_.finish(sum, contributors);
+          apply_dense(s, sum, 1.0f);
+        } else {
+          detail::RowAccumulator sum(s.width());
+          for (auto& c : by_worker)
+            for (std::size_t k = 0; k < c.rows.rows().size(); ++k) sum.add(c.rows.rows()[k], c.rows.row_data(k));
+          sync_.finish(sum.data(), contributors);
+          apply_rows(s, sum, 1.0f);
+        }
+        s.pending.erase(it);
+      }
+    }
+  }
+
+  void tick(const Request& r) {
+    if (r.op == Op::leave) departed_[r.worker] = true;
+    if (r.op == Op::join) departed_[r.worker] = false;
+    if (r.op != Op::leave) clocks_[r.worker] = std::max(clocks_[r.worker], r.clock);
+    // A departed worker no longer holds back the slowest clock.
+    std::uint64_t lo = std::numeric_limits<std::uint64_t>::max();
+    max_clock_ = 0;
+    for (std::size_t w = 0; w < clocks_.size(); ++w) {
+      max_clock_ = std::max(max_clock_, clocks_[w]);
+      if (!departed_[w]) lo = std::min(lo, clocks_[w]);
+    }
+    min_clock_ = lo;
+    release_barrier();
+  }
+
+  // Applies every step the policy lets through, then retries kept pulls.
+  void advance() {
+    const std::uint64_t before = applied_;
+    while (applied_ < max_clock_ && sync_.step_complete(applied_, server_clock())) apply_step(applied_++);
+    if (applied_ == before && parked_.empty()) return;
+    std::deque<Request> still;
+    for (Request& r : parked_) {
+      if (sync_.may_pull(r.worker, r.clock, server_clock())) {
+        answer_pull(r);
+        r.finish();
+      } else {
+        still.push_back(std::move(r));
+      }
+    }
+    parked_.swap(still);
+  }
+
+  void release_barrier() {
+    const auto live = static_cast<std::size_t>(std::count(departed_.begin(), departed_.end(), false));
+    if (barrier_.empty() || barrier_.size() < live) return;
+    for (Request& r : barrier_) r.finish();
+    barrier_.clear();
+  }
+
+  std::size_t index_;
+  SyncStateT sync_;
+  O optimizer_;
+  std::vector<std::vector<std::unique_ptr<ShardState>>> shards_;  // [variable][shard]; null where not ours
+  std::vector<std::uint64_t> clocks_;
+  std::vector<bool> departed_;
+  std::uint64_t min_clock_ = 0;
+  std::uint64_t max_clock_ = 0;
+  std::uint64_t applied_ = 0;
+  std::deque<Request> parked_;
+  std::vector<Request> barrier_;
+  detail::RowAccumulator scratch_;
+};
+
+}  // namespace v0
+}  // namespace psx

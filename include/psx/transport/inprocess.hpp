@@ -1,0 +1,62 @@
+//! @file psx/transport/inprocess.hpp
+//! Servers and workers as threads of one process. A request is handed to the
+//! server's inbox as it is: its spans point at the worker's own buffers, so
+//! no byte is serialized or copied on the way.
+#pragma once
+
+#include <psx/concepts.hpp>
+#include <psx/detail/queue.hpp>
+#include <psx/errors.hpp>
+
+#include <cstddef>
+#include <exception>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace psx {
+inline namespace v0 {
+namespace transport {
+
+//! The in-process transport (the default).
+struct InProcess {
+  //! One inbox per server; `serve` pops from it.
+  class link_type {
+   public:
+    explicit link_type(std::size_t num_servers) : inboxes_(num_servers) {}
+
+    void send(std::size_t server, Request&& r) {
+      if (server >= inboxes_.size())
+        throw config_error("psx: request for server " + std::to_string(server) + " of " +
+                           std::to_string(inboxes_.size()));
+      if (!inboxes_[server].push(std::move(r)))
+        throw shutdown_error("psx: server " + std::to_string(server) + " is shut down");
+    }
+
+    void serve(std::size_t server, RequestHandler& handler) {
+      auto& inbox = inboxes_.at(server);
+      while (auto r = inbox.pop()) handler.handle(std::move(*r));
+      auto error = std::make_exception_ptr(
+          shutdown_error("psx: server " + std::to_string(server) + " shut down before answering"));
+      for (Request& left : inbox.take_all()) left.finish(error);
+      handler.drain(error);
+    }
+
+    void close() noexcept {
+      for (auto& inbox : inboxes_) inbox.close();
+    }
+
+   private:
+    std::vector<detail::ClosableQueue<Request>> inboxes_;
+  };
+
+  std::unique_ptr<link_type> connect(const TransportContext& ctx) const {
+    return std::make_unique<link_type>(ctx.num_servers);
+  }
+  friend bool operator==(const InProcess&, const InProcess&) = default;
+};
+static_assert(Transport<InProcess>);
+
+}  // namespace transport
+}  // namespace v0
+}  // namespace psx

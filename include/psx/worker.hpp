@@ -1,0 +1,427 @@
+//! @file psx/worker.hpp
+//! The worker API: pull parameters, push gradients, advance the clock.
+//!
+//! Buffers go in and out as `std::span<float>`, or as any tensor type with a
+//! `psx::tensor_traits` specialization (`psx/eigen.hpp`, `psx/xtensor.hpp`),
+//! read and written in place. Every call checks the variable name, sizes and
+//! row ids before anything is sent, and throws a typed `psx::` exception
+//! naming the variable and the sizes.
+#pragma once
+
+#include <psx/cluster.hpp>
+#include <psx/errors.hpp>
+#include <psx/message.hpp>
+#include <psx/variable.hpp>
+
+#include <algorithm>
+#include <atomic>
+#include <concepts>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <initializer_list>
+#include <limits>
+#include <map>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+namespace psx {
+inline namespace v0 {
+
+//! Customization point for tensor types psx accepts in place of a span.
+//! A specialization provides:
+//!  1. `static std::span<float> data(T&)` and `static std::span<const float> data(const T&)`:
+//!     the elements, row-major and contiguous;
+//!  2. `static std::vector<std::size_t> shape(const T&)`: the extents.
+//! psx compares the shape with the variable's (see `Worker::pull`).
+template <class T>
+struct tensor_traits;
+
+//! A type with a `psx::tensor_traits` specialization.
+template <class T>
+concept TensorLike = requires(T& t, const T& ct) {
+  { tensor_traits<T>::data(t) } -> std::convertible_to<std::span<float>>;
+  { tensor_traits<T>::data(ct) } -> std::convertible_to<std::span<const float>>;
+  { tensor_traits<T>::shape(ct) } -> std::convertible_to<std::vector<std::size_t>>;
+};
+
+//! One variable of a batched pull: where its values go.
+struct PullItem {
+  std::string_view name;
+  std::span<float> out;
+};
+
+//! One variable of a batched push: its gradient.
+struct PushItem {
+  std::string_view name;
+  std::span<const float> grad;
+};
+
+//! Waits for an asynchronous call. The buffers the call reads or fills must
+//! stay alive until `wait()` returns; a Handle that is destroyed without
+//! `wait()` waits in its destructor (and drops the error), so a buffer is
+//! never written after its owner let go of the handle.
+class Handle {
+ public:
+  Handle() = default;
+  explicit Handle(std::shared_ptr<Completion> done) noexcept : done_(std::move(done)) {}
+  Handle(Handle&&) noexcept = default;
+  Handle& operator=(Handle&& other) noexcept {
+    if (this != &other) {
+      settle();
+      done_ = std::move(other.done_);
+    }
+    return *this;
+  }
+  ~Handle() { settle(); }
+
+  //! Blocks until the call finished; rethrows its error.
+  void wait() {
+    if (!done_) return;
+    auto done = std::move(done_);
+    done->wait();
+  }
+  //! True once the call finished (or for an empty handle).
+  bool ready() const { return !done_ || done_->ready(); }
+
+ private:
+  void settle() noexcept {
+    if (!done_) return;
+    try {
+      done_->wait();
+    } catch (...) {  // nobody asked for the result
+    }
+    done_.reset();
+  }
+  std::shared_ptr<Completion> done_;
+};
+
+namespace detail {
+
+// What every worker of a cluster shares: the variables and the way to the servers.
+struct ClusterCore {
+  ClusterConfig config;
+  std::vector<VariableInfo> variables;
+  std::map<std::string, std::uint32_t, std::less<>> by_name;
+  std::function<void(std::size_t, Request&&)> send;
+  std::atomic<bool> stopped{false};
+  std::vector<std::uint64_t> clocks;  // one per worker, touched only by that worker's thread
+
+  const VariableInfo& find(std::string_view name, std::string_view op, std::size_t worker) const {
+    auto it = by_name.find(name);
+    if (it != by_name.end()) return variables[it->second];
+    std::string known;
+    std::size_t listed = 0;
+    for (const auto& [n, id] : by_name) {
+      if (listed++ == 8) {
+        known += ", ...";
+        break;
+      }
+      known += (known.empty() ? "" : ", ") + n;
+    }
+    throw unknown_variable("psx: worker " + std::to_string(worker) + ": " + std::string(op) +
+                           " of unknown variable '" + std::string(name) + "' (declared: " +
+                           (known.empty() ? "none" : known) + ")");
+  }
+};
+
+// A completion that also owns the id and position lists its requests point into.
+struct RowsCompletion : Completion {
+  using Completion::Completion;
+  std::vector<std::uint64_t> ids;
+  std::vector<std::uint32_t> positions;
+};
+
+inline std::string floats(std::size_t n) { return std::to_string(n) + (n == 1 ? " float" : " floats"); }
+
+}  // namespace detail
+
+//! One worker's handle on the cluster. Use it from one thread at a time.
+class Worker {
+ public:
+  Worker(detail::ClusterCore& core, std::size_t index) noexcept : core_(&core), index_(index) {}
+
+  //! This worker's index in `[0, num_workers())`.
+  std::size_t index() const noexcept { return index_; }
+  std::size_t num_workers() const noexcept { return core_->config.num_workers; }
+  std::size_t num_servers() const noexcept { return core_->config.num_servers; }
+  //! Worker 0 is the chief: it counts the global step and saves.
+  bool is_chief() const noexcept { return index_ == 0; }
+  //! Number of `step()` calls so far.
+  std::uint64_t clock() const noexcept { return core_->clocks[index_]; }
+  //! The variable declared as `name`; throws `psx::unknown_variable`.
+  const VariableInfo& variable(std::string_view name) const { return core_->find(name, "lookup", index_); }
+
+  //! This worker's share of a data set of `total` examples.
+  ShardRange shard(std::size_t total) const noexcept { return {total, num_workers(), index_}; }
+
+  // -- dense -----------------------------------------------------------------
+
+  //! Copies the whole variable `name` into `out` (row-major, exactly its size).
+  void pull(std::string_view name, std::span<float> out) { pull_async(name, out).wait(); }
+  Handle pull_async(std::string_view name, std::span<float> out) {
+    const PullItem item{name, out};
+    return pull_async(std::span<const PullItem>(&item, 1));
+  }
+  //! Pulls several variables: one message per server, whatever their number.
+  void pull(std::initializer_list<PullItem> items) { pull_async(std::span(items.begin(), items.size())).wait(); }
+  Handle pull_async(std::span<const PullItem> items) {
+    return send_dense(Op::pull, items.size(), [&](std::size_t i) {
+      return std::pair{items[i].name, std::span<const float>(items[i].out)};
+    }, [&](std::size_t i) { return items[i].out; });
+  }
+
+  //! Pushes a gradient for the whole variable `name` (row-major, exactly its size).
+  void push(std::string_view name, std::span<const float> grad) { push_async(name, grad).wait(); }
+  Handle push_async(std::string_view name, std::span<const float> grad) {
+    const PushItem item{name, grad};
+    return push_async(std::span<const PushItem>(&item, 1));
+  }
+  //! Pushes several variables: one message per server, whatever their number.
+  void push(std::initializer_list<PushItem> items) { push_async(std::span(items.begin(), items.size())).wait(); }
+  Handle push_async(std::span<const PushItem> items) {
+    return send_dense(Op::push, items.size(), [&](std::size_t i) {
+      return std::pair{items[i].name, items[i].grad};
+    }, [](std::size_t) { return std::span<float>(); });
+  }
+
+  //! Pulls into a tensor (`psx::tensor_traits`): its shape must be the
+  //! variable's, or [rows, row width], or flat with the same element count.
+  template <TensorLike T>
+  void pull(std::string_view name, T& tensor) {
+    check_tensor(name, tensor_traits<T>::shape(tensor), "pull");
+    pull(name, std::span<float>(tensor_traits<T>::data(tensor)));
+  }
+  //! Pushes a gradient held in a tensor (same shape rule as `pull`).
+  template <TensorLike T>
+  void push(std::string_view name, const T& tensor) {
+    check_tensor(name, tensor_traits<T>::shape(tensor), "push");
+    push(name, std::span<const float>(tensor_traits<T>::data(tensor)));
+  }
+
+  // -- rows (sparse) ---------------------------------------------------------
+
+  //! Copies rows `ids` of `name` into `out`: row `ids[j]` goes to
+  //! `out[j * width, (j + 1) * width)`. Repeated ids are copied each time.
+  void pull_rows(std::string_view name, std::span<const std::uint64_t> ids, std::span<float> out) {
+    pull_rows_async(name, ids, out).wait();
+  }
+  Handle pull_rows_async(std::string_view name, std::span<const std::uint64_t> ids, std::span<float> out) {
+    return send_rows(Op::pull_rows, name, ids, std::span<const float>(out), out);
+  }
+
+  //! Pushes gradient rows: row `j` of `grads` is the gradient of row `ids[j]`.
+  //! Repeated ids are summed.
+  void push_rows(std::string_view name, std::span<const std::uint64_t> ids, std::span<const float> grads) {
+    push_rows_async(name, ids, grads).wait();
+  }
+  Handle push_rows_async(std::string_view name, std::span<const std::uint64_t> ids, std::span<const float> grads) {
+    return send_rows(Op::push_rows, name, ids, grads, {});
+  }
+
+  // -- progress --------------------------------------------------------------
+
+  //! Ends this worker's step: the pushes made since the last `step()` form
+  //! its gradient for that step. Under a synchronous policy the next pull
+  //! waits until every worker's gradient of this step is applied.
+  void step() {
+    check_running("step");
+    const std::uint64_t next = core_->clocks[index_] + 1;
+    for (std::size_t s = 0; s < num_servers(); ++s) {
+      Request r;
+      r.op = Op::clock;
+      r.worker = static_cast<std::uint32_t>(index_);
+      r.clock = next;
+      core_->send(s, std::move(r));
+    }
+    core_->clocks[index_] = next;
+  }
+
+  //! Returns once every worker still training has called `barrier()` as often.
+  void barrier() {
+    check_running("barrier");
+    Request r;
+    r.op = Op::barrier;
+    r.worker = static_cast<std::uint32_t>(index_);
+    r.clock = clock();
+    r.done = std::make_shared<Completion>(1);
+    auto done = r.done;
+    core_->send(0, std::move(r));
+    done->wait();
+  }
+
+ private:
+  void check_running(std::string_view op) const {
+    if (core_->stopped.load(std::memory_order_acquire))
+      throw shutdown_error("psx: worker " + std::to_string(index_) + ": " + std::string(op) +
+                           " after the cluster shut down");
+  }
+
+  void check_tensor(std::string_view name, const std::vector<std::size_t>& shape, std::string_view op) const {
+    const VariableInfo& v = core_->find(name, op, index_);
+    const std::size_t n = detail::element_count(shape);
+    const bool same = shape == v.meta.shape;
+    const bool as_matrix = shape.size() == 2 && shape[0] == v.meta.rows && shape[1] == v.meta.row_width;
+    const bool flat = shape.size() == 1 && n == v.meta.size();
+    if (!same && !as_matrix && !flat)
+      throw shape_error("psx: worker " + std::to_string(index_) + ": " + std::string(op) + " of variable '" +
+                        v.meta.name + "' of shape " + detail::shape_string(v.meta.shape) +
+                        " with a tensor of shape " + detail::shape_string(shape));
+  }
+
+  // Sends the requests built per server; on a send failure, fails the parts
+  // not sent and waits for those sent (they may still touch the buffers).
+  Handle dispatch(std::vector<Request>& per_server, std::shared_ptr<Completion> done) {
+    std::size_t s = 0;
+    try {
+      for (; s < per_server.size(); ++s)
+        if (!per_server[s].items.empty()) core_->send(s, std::move(per_server[s]));
+    } catch (...) {
+      auto error = std::current_exception();
+      for (; s < per_server.size(); ++s)
+        if (!per_server[s].items.empty()) done->finish(error);
+      done->wait();
+    }
+    return Handle(std::move(done));
+  }
+
+  std::vector<Request> requests(Op op) const {
+    std::vector<Request> per_server(num_servers());
+    for (Request& r : per_server) {
+      r.op = op;
+      r.worker = static_cast<std::uint32_t>(index_);
+      r.clock = clock();
+    }
+    return per_server;
+  }
+
+  static std::size_t parts(const std::vector<Request>& per_server) {
+    std::size_t n = 0;
+    for (const Request& r : per_server) n += !r.items.empty();
+    return n;
+  }
+
+  template <class Entry, class Out>
+  Handle send_dense(Op op, std::size_t count, Entry entry, Out out_of) {
+    const bool push = op == Op::push;
+    const char* verb = push ? "push" : "pull";
+    check_running(verb);
+    std::vector<Request> per_server = requests(op);
+    for (std::size_t i = 0; i < count; ++i) {
+      auto [name, buffer] = entry(i);
+      const VariableInfo& v = core_->find(name, verb, index_);
+      if (buffer.size() != v.meta.size())
+        throw shape_error("psx: worker " + std::to_string(index_) + ": " + verb + " of variable '" + v.meta.name +
+                          "' of shape " + detail::shape_string(v.meta.shape) + " (" +
+                          detail::floats(v.meta.size()) + ") with a buffer of " + detail::floats(buffer.size()));
+      if (push && !v.trainable)
+        throw frozen_variable("psx: worker " + std::to_string(index_) + ": push to variable '" + v.meta.name +
+                              "' of shape " + detail::shape_string(v.meta.shape) +
+                              ", which is frozen (trainable = false)");
+      std::span<float> out = out_of(i);
+      for (std::size_t k = 0; k < v.shards.size(); ++k) {
+        const Shard& sh = v.shards[k];
+        const std::size_t first = sh.row_begin * v.meta.row_width, n = sh.rows() * v.meta.row_width;
+        Item item;
+        item.variable = v.meta.id;
+        item.shard = static_cast<std::uint32_t>(k);
+        if (push) item.in = buffer.subspan(first, n);
+        else item.out = out.subspan(first, n);
+        per_server[sh.server].items.push_back(item);
+      }
+    }
+    auto done = std::make_shared<Completion>(parts(per_server));
+    for (Request& r : per_server) r.done = done;
+    return dispatch(per_server, std::move(done));
+  }
+
+  Handle send_rows(Op op, std::string_view name, std::span<const std::uint64_t> ids,
+                   std::span<const float> in, std::span<float> out) {
+    const bool push = op == Op::push_rows;
+    const char* verb = push ? "push_rows" : "pull_rows";
+    check_running(verb);
+    const VariableInfo& v = core_->find(name, verb, index_);
+    const std::size_t width = v.meta.row_width;
+    const std::size_t got = push ? in.size() : out.size();
+    if (got != ids.size() * width)
+      throw shape_error("psx: worker " + std::to_string(index_) + ": " + verb + " of " +
+                        std::to_string(ids.size()) + " rows of variable '" + v.meta.name + "' (row width " +
+                        std::to_string(width) + ") needs " + detail::floats(ids.size() * width) +
+                        ", the buffer has " + detail::floats(got));
+    if (ids.size() > std::numeric_limits<std::uint32_t>::max())
+      throw shape_error("psx: worker " + std::to_string(index_) + ": " + verb + " of " +
+                        std::to_string(ids.size()) + " ids of '" + v.meta.name + "': at most 2^32 - 1 per call");
+    for (std::size_t j = 0; j < ids.size(); ++j)
+      if (ids[j] >= v.meta.rows)
+        throw row_out_of_range("psx: worker " + std::to_string(index_) + ": " + verb + " of variable '" +
+                               v.meta.name + "' (" + std::to_string(v.meta.rows) + " rows): row id " +
+                               std::to_string(ids[j]) + " at position " + std::to_string(j) + " is out of range");
+    if (push && !v.trainable)
+      throw frozen_variable("psx: worker " + std::to_string(index_) + ": push_rows to variable '" + v.meta.name +
+                            "' of shape " + detail::shape_string(v.meta.shape) +
+                            ", which is frozen (trainable = false)");
+
+    std::vector<Request> per_server = requests(op);
+    auto make_item = [&](std::size_t k, std::span<const std::uint64_t> item_ids,
+                         std::span<const std::uint32_t> positions) {
+      Item item;
+      item.variable = v.meta.id;
+      item.shard = static_cast<std::uint32_t>(k);
+      item.ids = item_ids;
+      item.positions = positions;
+      item.in = in;
+      item.out = out;
+      per_server[v.shards[k].server].items.push_back(item);
+    };
+
+    if (ids.empty()) return Handle();
+    if (v.shards.size() == 1) {
+      // The common case: the caller's ids travel as they are.
+      make_item(0, ids, {});
+      auto done = std::make_shared<Completion>(1);
+      per_server[v.shards[0].server].done = done;
+      return dispatch(per_server, std::move(done));
+    }
+    // Group ids by shard (a counting sort), remembering where each row lives
+    // in the caller's buffer; the completion owns the grouped lists.
+    std::vector<std::size_t> start(v.shards.size() + 1, 0);
+    std::vector<std::uint32_t> shard_of(ids.size());
+    for (std::size_t j = 0; j < ids.size(); ++j) {
+      shard_of[j] = static_cast<std::uint32_t>(v.shard_of_row(ids[j]));
+      ++start[shard_of[j] + 1];
+    }
+    std::vector<bool> server_used(num_servers(), false);
+    for (std::size_t k = 0; k < v.shards.size(); ++k) {
+      if (start[k + 1] != 0) server_used[v.shards[k].server] = true;
+      start[k + 1] += start[k];
+    }
+    auto done = std::make_shared<detail::RowsCompletion>(
+        static_cast<std::size_t>(std::count(server_used.begin(), server_used.end(), true)));
+    done->ids.resize(ids.size());
+    done->positions.resize(ids.size());
+    std::vector<std::size_t> next(start.begin(), start.end() - 1);
+    for (std::size_t j = 0; j < ids.size(); ++j) {
+      const std::size_t at = next[shard_of[j]]++;
+      done->ids[at] = ids[j];
+      done->positions[at] = static_cast<std::uint32_t>(j);
+    }
+    const std::span<const std::uint64_t> grouped_ids(done->ids);
+    const std::span<const std::uint32_t> grouped_positions(done->positions);
+    for (std::size_t k = 0; k < v.shards.size(); ++k) {
+      const std::size_t b = start[k], n = start[k + 1] - start[k];
+      if (n != 0) make_item(k, grouped_ids.subspan(b, n), grouped_positions.subspan(b, n));
+    }
+    for (Request& r : per_server) r.done = done;
+    return dispatch(per_server, std::move(done));
+  }
+
+  detail::ClusterCore* core_;
+  std::size_t index_;
+};
+
+}  // namespace v0
+}  // namespace psx

@@ -1,0 +1,406 @@
+// Tests of psx/parameter_server.hpp, psx/worker.hpp and psx/server.hpp on the
+// in-process transport: exact synchronous semantics, asynchronous training,
+// frozen variables, every error of the worker API, and shutdown in any order.
+#include "../support.hpp"
+
+#include <psx/psx.hpp>
+
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <future>
+#include <random>
+#include <stdexcept>
+#include <thread>
+#include <vector>
+
+using psx_test::message_of;
+using psx_test::Watchdog;
+
+namespace {
+
+constexpr std::size_t kWorkers = 4;
+constexpr std::size_t kServers = 2;
+constexpr std::size_t kSteps = 6;
+constexpr std::size_t kRows = 16, kCols = 5;   // dense "w"
+constexpr std::size_t kTable = 50, kDim = 4;   // sparse "emb"
+constexpr std::size_t kBatch = 9;              // ids per worker per step, with repeats
+constexpr float kLr = 0.05f;
+
+// A gradient that depends on the value pulled, the worker, the step and the
+// element, so any difference in what a worker reads shows in the result.
+float grad(float value, std::size_t worker, std::size_t step, std::size_t i) {
+  return std::sin(value * static_cast<float>(worker + 1) + static_cast<float>(step) * 0.37f +
+                  static_cast<float>(i) * 0.11f);
+}
+
+// The ids worker `w` touches at step `t`: seeded, with repeats.
+std::vector<std::uint64_t> batch_ids(std::size_t w, std::size_t t) {
+  std::mt19937_64 rng(1000 * w + t);
+  std::vector<std::uint64_t> ids(kBatch);
+  for (auto& id : ids) id = rng() % 12 + (w % 2) * 30;  // overlapping and disjoint ranges
+  ids[kBatch - 1] = ids[0];                               // always one duplicate
+  return ids;
+}
+
+psx::VariableSpec dense_w() { return psx::dense("w", {kRows, kCols}, psx::Initializer::normal(0, 1, 11)); }
+psx::VariableSpec sparse_emb() { return psx::sparse("emb", kTable, kDim, psx::Initializer::uniform(-1, 1, 12)); }
+
+void train_step(psx::Worker& w, std::size_t t) {
+  std::vector<float> wv(kRows * kCols), gw(kRows * kCols);
+  const auto ids = batch_ids(w.index(), t);
+  std::vector<float> rows(ids.size() * kDim), grows(ids.size() * kDim);
+  w.pull("w", wv);
+  w.pull_rows("emb", ids, rows);
+  for (std::size_t i = 0; i < wv.size(); ++i) gw[i] = grad(wv[i], w.index(), t, i);
+  for (std::size_t i = 0; i < rows.size(); ++i) grows[i] = grad(rows[i], w.index(), t, i);
+  w.push("w", gw);
+  w.push_rows("emb", ids, grows);
+  w.step();
+}
+
+// One process doing SGD on the summed (or averaged) gradients of the same
+// batches, each worker's gradient added in worker order.
+std::pair<std::vector<float>, std::vector<float>> reference(bool mean) {
+  std::vector<float> W(kRows * kCols), E(kTable * kDim);
+  dense_w().init.fill("w", 0, W);
+  sparse_emb().init.fill("emb", 0, E);
+  for (std::size_t t = 0; t < kSteps; ++t) {
+    std::vector<float> sum_w(W.size(), 0.0f), sum_e(E.size(), 0.0f);
+    for (std::size_t k = 0; k < kWorkers; ++k) {
+      const auto ids = batch_ids(k, t);
+      std::vector<float> gw(W.size()), ge(E.size(), 0.0f);
+      for (std::size_t i = 0; i < W.size(); ++i) gw[i] = grad(W[i], k, t, i);
+      for (std::size_t j = 0; j < ids.size(); ++j)
+        for (std::size_t c = 0; c < kDim; ++c)
+          ge[ids[j] * kDim + c] += grad(E[ids[j] * kDim + c], k, t, j * kDim + c);
+      for (std::size_t i = 0; i < W.size(); ++i) sum_w[i] += gw[i];
+      for (std::size_t i = 0; i < E.size(); ++i) sum_e[i] += ge[i];
+    }
+    if (mean) {
+      for (float& x : sum_w) x /= static_cast<float>(kWorkers);
+      for (float& x : sum_e) x /= static_cast<float>(kWorkers);
+    }
+    for (std::size_t i = 0; i < W.size(); ++i) W[i] -= kLr * sum_w[i];
+    for (std::size_t i = 0; i < E.size(); ++i) E[i] -= kLr * sum_e[i];
+  }
+  return {W, E};
+}
+
+bool bit_equal(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+template <class P>
+void check_synchronous_equals_reference(psx::sync::Aggregate aggregate) {
+  Watchdog dog("synchronous training");
+  psx::ParameterServer<P, psx::sync::Synchronous, psx::optim::SGD> ps({kServers, kWorkers}, P{},
+                                                                       {aggregate}, {kLr});
+  ps.declare(dense_w());
+  ps.declare(sparse_emb());
+  ps.run([](psx::Worker& w) {
+    for (std::size_t t = 0; t < kSteps; ++t) train_step(w, t);
+  });
+  const auto [W, E] = reference(aggregate == psx::sync::Aggregate::mean);
+  CHECK(bit_equal(ps.read("w"), W));
+  CHECK(bit_equal(ps.read("emb"), E));
+}
+
+}  // namespace
+
+TEST_CASE_TEMPLATE("synchronous training equals one process doing SGD on the summed gradients", P,
+                   psx::partition::HashByName, psx::partition::RoundRobin, psx::partition::RowRange) {
+  check_synchronous_equals_reference<P>(psx::sync::Aggregate::sum);
+}
+
+TEST_CASE("synchronous mean aggregation divides the sum by the number of workers") {
+  check_synchronous_equals_reference<psx::partition::RowRange>(psx::sync::Aggregate::mean);
+}
+
+TEST_CASE_TEMPLATE("initial values do not depend on the partitioner", P, psx::partition::HashByName,
+                   psx::partition::RoundRobin, psx::partition::RowRange) {
+  psx::ParameterServer<P> ps({3, 1});
+  ps.declare(dense_w());
+  ps.declare(sparse_emb());
+  std::vector<float> W(kRows * kCols), E(kTable * kDim);
+  dense_w().init.fill("w", 0, W);
+  sparse_emb().init.fill("emb", 0, E);
+  CHECK(bit_equal(ps.read("w"), W));
+  CHECK(bit_equal(ps.read("emb"), E));
+}
+
+TEST_CASE("a synchronous pull waits for every worker's step") {
+  Watchdog dog("synchronous pull");
+  psx::ParameterServer<> ps({1, 2}, {}, {psx::sync::Aggregate::sum}, {1.0f});
+  ps.declare(psx::dense("x", {1}, psx::Initializer::constant(10.0f)));
+  auto w0 = ps.worker(0), w1 = ps.worker(1);
+  std::vector<float> one{1.0f}, out(1);
+  w0.push("x", one);
+  w0.step();
+  auto pending = w0.pull_async("x", out);  // needs worker 1's step 0
+  w1.pull("x", out);                       // worker 1 is still at step 0: answered at once
+  CHECK(out[0] == 10.0f);
+  CHECK_FALSE(pending.ready());
+  std::vector<float> two{2.0f};
+  w1.push("x", two);
+  w1.step();
+  pending.wait();
+  CHECK(out[0] == 7.0f);  // 10 - 1 * (1 + 2)
+}
+
+TEST_CASE("a worker's pushes within one step add up; a worker that pushes nothing adds nothing") {
+  psx::ParameterServer<> ps({1, 3}, {}, {psx::sync::Aggregate::sum}, {1.0f});
+  ps.declare(psx::dense("x", {2}));
+  ps.run([](psx::Worker& w) {
+    if (w.index() == 0) {
+      std::vector<float> g{1.0f, 2.0f};
+      w.push("x", g);
+      w.push("x", g);
+    } else if (w.index() == 1) {
+      std::vector<float> g{0.5f, 0.5f};
+      w.push("x", g);
+    }
+    w.step();
+  });
+  CHECK(ps.read("x") == std::vector<float>{-2.5f, -4.5f});
+}
+
+TEST_CASE("rows pushed beside a dense push of the same variable join the worker's gradient") {
+  psx::ParameterServer<> ps({1, 2}, {}, {psx::sync::Aggregate::sum}, {1.0f});
+  ps.declare(psx::sparse("e", 3, 2));
+  ps.run([](psx::Worker& w) {
+    std::vector<std::uint64_t> ids{2, 2};
+    std::vector<float> rows{1, 1, 1, 1}, dense{10, 10, 0, 0, 0, 0};
+    w.push_rows("e", ids, rows);
+    if (w.index() == 1) w.push("e", dense);
+    w.step();
+  });
+  CHECK(ps.read("e") == std::vector<float>{-10, -10, 0, 0, -4, -4});
+}
+
+TEST_CASE("asynchronous pushes apply on arrival and pulls never wait") {
+  Watchdog dog("asynchronous");
+  psx::ParameterServer<psx::partition::RowRange, psx::sync::Asynchronous> ps({2, 1}, {}, {}, {0.5f});
+  ps.declare(psx::dense("x", {4}, psx::Initializer::constant(1.0f)));
+  auto w = ps.worker(0);
+  std::vector<float> g(4, 1.0f), out(4);
+  w.push("x", g);
+  w.pull("x", out);  // no step() needed
+  CHECK(out == std::vector<float>(4, 0.5f));
+  w.push("x", g);
+  w.pull("x", out);
+  CHECK(out == std::vector<float>(4, 0.0f));
+}
+
+TEST_CASE("asynchronous training with 4 workers converges on a convex problem") {
+  Watchdog dog("asynchronous convergence");
+  psx::ParameterServer<psx::partition::RowRange, psx::sync::Asynchronous> ps({2, 4}, {}, {}, {0.1f});
+  ps.declare(psx::dense("x", {8}));
+  std::vector<float> target{1, -2, 3, -4, 5, -6, 7, -8};
+  ps.run([&](psx::Worker& w) {
+    std::vector<float> x(8), g(8);
+    for (int t = 0; t < 200; ++t) {
+      w.pull("x", x);
+      for (std::size_t i = 0; i < 8; ++i) g[i] = x[i] - target[i];  // grad of |x - target|^2 / 2
+      w.push("x", g);
+      w.step();
+    }
+  });
+  const auto x = ps.read("x");
+  for (std::size_t i = 0; i < 8; ++i) CHECK(x[i] == doctest::Approx(target[i]).epsilon(1e-3));
+}
+
+TEST_CASE("a frozen variable is served and never changes") {
+  psx::ParameterServer<psx::partition::RoundRobin> ps({2, 2}, {}, {}, {0.1f});
+  ps.declare(dense_w());
+  ps.declare(psx::dense("frozen", {3, 2}, psx::Initializer::normal(0, 1, 5), /*trainable=*/false));
+  const auto before = ps.read("frozen");
+  ps.run([](psx::Worker& w) {
+    std::vector<float> f(6), g(kRows * kCols, 1.0f);
+    for (int t = 0; t < 3; ++t) {
+      w.pull("frozen", f);
+      w.push("w", g);
+      w.step();
+    }
+    CHECK_THROWS_AS(w.push("frozen", f), psx::frozen_variable);
+  });
+  CHECK(bit_equal(ps.read("frozen"), before));
+  CHECK_FALSE(bit_equal(ps.read("w"), [] {
+    std::vector<float> W(kRows * kCols);
+    dense_w().init.fill("w", 0, W);
+    return W;
+  }()));
+}
+
+TEST_CASE("every misuse of the worker API raises a typed error naming the variable and sizes") {
+  psx::ParameterServer<psx::partition::RowRange> ps({2, 1});
+  ps.declare(dense_w());
+  ps.declare(sparse_emb());
+  ps.declare(psx::dense("frozen", {2}, psx::Initializer::zeros(), false));
+  auto w = ps.worker(0);
+  std::vector<float> small(3), rows(2 * kDim);
+
+  CHECK(message_of<psx::unknown_variable>([&] { w.pull("nope", small); }) ==
+        "psx: worker 0: pull of unknown variable 'nope' (declared: emb, frozen, w)");
+  CHECK(message_of<psx::shape_error>([&] { w.pull("w", small); }) ==
+        "psx: worker 0: pull of variable 'w' of shape [16, 5] (80 floats) with a buffer of 3 floats");
+  CHECK(message_of<psx::shape_error>([&] { w.push("w", small); }) ==
+        "psx: worker 0: push of variable 'w' of shape [16, 5] (80 floats) with a buffer of 3 floats");
+  const std::vector<std::uint64_t> bad_ids{3, 50};
+  CHECK(message_of<psx::row_out_of_range>([&] { w.pull_rows("emb", bad_ids, rows); }) ==
+        "psx: worker 0: pull_rows of variable 'emb' (50 rows): row id 50 at position 1 is out of range");
+  CHECK_THROWS_AS(w.push_rows("emb", bad_ids, rows), psx::row_out_of_range);
+  const std::vector<std::uint64_t> three{1, 2, 3};
+  CHECK(message_of<psx::shape_error>([&] { w.pull_rows("emb", three, rows); }) ==
+        "psx: worker 0: pull_rows of 3 rows of variable 'emb' (row width 4) needs 12 floats, the buffer has 8 floats");
+  std::vector<float> two(2);
+  CHECK(message_of<psx::frozen_variable>([&] { w.push("frozen", two); }) ==
+        "psx: worker 0: push to variable 'frozen' of shape [2], which is frozen (trainable = false)");
+  CHECK(message_of<psx::unknown_variable>([&] { w.push_rows("nope", three, rows); }).find("'nope'") !=
+        std::string::npos);
+
+  CHECK(message_of<psx::duplicate_variable>([&] { ps.declare(psx::dense("w", {2, 2})); }) ==
+        "psx: variable 'w' is already declared (shape [16, 5]); the second declaration has shape [2, 2]");
+  CHECK(message_of<psx::config_error>([&] { ps.declare(psx::dense("late", {2})); }).find("after the cluster started") !=
+        std::string::npos);
+  CHECK_THROWS_AS(ps.worker(1), psx::config_error);
+  CHECK_THROWS_AS((psx::ParameterServer<>({0, 1})), psx::config_error);
+
+  ps.shutdown();
+  CHECK(message_of<psx::shutdown_error>([&] { w.pull("w", small); }) ==
+        "psx: worker 0: pull after the cluster shut down");
+  CHECK_THROWS_AS(w.step(), psx::shutdown_error);
+  CHECK_THROWS_AS(w.barrier(), psx::shutdown_error);
+  CHECK_THROWS_AS(ps.read("w"), psx::shutdown_error);
+  CHECK_THROWS_AS(ps.run([](psx::Worker&) {}), psx::shutdown_error);
+}
+
+TEST_CASE("a user partitioner whose placement does not tile the rows is refused at declaration") {
+  struct Gappy {
+    std::vector<psx::Shard> place(const psx::VariableMeta& v, std::size_t) const { return {{0, 1, v.rows}}; }
+  };
+  psx::ParameterServer<Gappy> ps({1, 1});
+  CHECK(message_of<psx::config_error>([&] { ps.declare(psx::dense("w", {4})); }) ==
+        "psx: invalid placement of variable 'w' (4 rows, 1 servers): shard 0 covers rows [1, 4) but the next "
+        "row to cover is 0");
+}
+
+TEST_CASE("sparse rows spread over several servers come back in the caller's order") {
+  psx::ParameterServer<psx::partition::RowRange, psx::sync::Asynchronous> ps({3, 1});
+  ps.declare(psx::sparse("e", 30, 2, psx::Initializer::uniform(0, 1, 3)));
+  const auto all = ps.read("e");
+  auto w = ps.worker(0);
+  const std::vector<std::uint64_t> ids{29, 0, 15, 15, 7, 22};
+  std::vector<float> out(ids.size() * 2, -1.0f);
+  w.pull_rows("e", ids, out);
+  for (std::size_t j = 0; j < ids.size(); ++j) {
+    CHECK(out[2 * j] == all[2 * ids[j]]);
+    CHECK(out[2 * j + 1] == all[2 * ids[j] + 1]);
+  }
+  w.pull_rows("e", {}, {});  // nothing to do, nothing sent
+}
+
+TEST_CASE("batched pulls and pushes and async handles") {
+  psx::ParameterServer<psx::partition::HashByName, psx::sync::Asynchronous> ps({1, 1}, {}, {}, {1.0f});
+  ps.declare(psx::dense("a", {2}, psx::Initializer::constant(1)));
+  ps.declare(psx::dense("b", {3}, psx::Initializer::constant(2)));
+  auto w = ps.worker(0);
+  std::vector<float> a(2), b(3), ga{1, 1}, gb{1, 1, 1};
+  w.push({{"a", ga}, {"b", gb}});
+  w.pull({{"a", a}, {"b", b}});
+  CHECK(a == std::vector<float>{0, 0});
+  CHECK(b == std::vector<float>{1, 1, 1});
+  {
+    auto h = w.push_async("a", ga);
+  }  // a dropped handle waits
+  auto h = w.pull_async("a", a);
+  h.wait();
+  CHECK(h.ready());
+  CHECK(a == std::vector<float>{-1, -1});
+  CHECK_THROWS_AS(w.pull({{"a", a}, {"c", b}}), psx::unknown_variable);
+}
+
+TEST_CASE("barrier releases every worker together") {
+  Watchdog dog("barrier");
+  psx::ParameterServer<> ps({2, 4});
+  std::atomic<int> arrived{0};
+  std::atomic<bool> early{false};
+  ps.run([&](psx::Worker& w) {
+    for (int round = 1; round <= 3; ++round) {
+      arrived.fetch_add(1);
+      w.barrier();
+      if (arrived.load() < round * 4) early = true;
+      w.barrier();
+    }
+  });
+  CHECK_FALSE(early.load());
+  CHECK(arrived.load() == 12);
+}
+
+TEST_CASE("workers with unequal step counts finish") {
+  Watchdog dog("unequal steps");
+  psx::ParameterServer<> ps({2, 4}, {}, {}, {0.1f});
+  ps.declare(psx::dense("x", {4}));
+  ps.run([](psx::Worker& w) {
+    std::vector<float> x(4), g(4, 1.0f);
+    for (std::size_t t = 0; t < 2 + w.index(); ++t) {
+      w.pull("x", x);
+      w.push("x", g);
+      w.step();
+    }
+  });
+  // A second run continues the clocks where they stopped.
+  ps.run([](psx::Worker& w) {
+    std::vector<float> x(4), g(4, 1.0f);
+    w.pull("x", x);
+    w.push("x", g);
+    w.step();
+  });
+  CHECK(ps.read("x")[0] < 0.0f);
+}
+
+TEST_CASE("a worker that throws stops the cluster; its exception reaches run()") {
+  Watchdog dog("worker failure");
+  psx::ParameterServer<> ps({2, 4}, {}, {}, {0.1f});
+  ps.declare(psx::dense("x", {4}));
+  CHECK_THROWS_WITH_AS(ps.run([](psx::Worker& w) {
+    std::vector<float> x(4), g(4, 1.0f);
+    for (int t = 0; t < 10; ++t) {
+      if (w.index() == 2 && t == 3) throw std::runtime_error("boom");
+      w.pull("x", x);  // the others block here waiting for worker 2
+      w.push("x", g);
+      w.step();
+    }
+  }), "boom", std::runtime_error);
+  CHECK_FALSE(ps.running());
+}
+
+TEST_CASE("shutdown releases a worker blocked in a pull") {
+  Watchdog dog("shutdown while blocked");
+  psx::ParameterServer<> ps({1, 2});
+  ps.declare(psx::dense("x", {1}));
+  auto w0 = ps.worker(0);
+  std::vector<float> out(1);
+  w0.step();  // worker 1 never steps: the pull can never be answered
+  auto blocked = std::async(std::launch::async, [&] { w0.pull("x", out); });
+  ps.shutdown();
+  CHECK_THROWS_AS(blocked.get(), psx::shutdown_error);
+  ps.shutdown();  // twice is fine
+}
+
+TEST_CASE("clusters shut down in any state") {
+  Watchdog dog("shutdown orders");
+  { psx::ParameterServer<> never_started({2, 2}); }
+  {
+    psx::ParameterServer<> started({2, 2});
+    started.start();
+  }
+  {
+    psx::ParameterServer<> ps({2, 2});
+    auto w = ps.worker(1);
+    w.step();
+    auto blocked = std::async(std::launch::async, [&] { w.barrier(); });  // worker 0 never comes
+    ps.shutdown();
+    CHECK_THROWS_AS(blocked.get(), psx::shutdown_error);
+  }
+}

@@ -1,0 +1,164 @@
+// Tests of psx/variable.hpp, psx/partition.hpp and psx/cluster.hpp.
+#include "../support.hpp"
+
+#include <psx/psx.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <set>
+#include <vector>
+
+using psx_test::message_of;
+
+TEST_CASE("fnv1a64 matches the published test vectors") {
+  CHECK(psx::detail::fnv1a64("") == 0xcbf29ce484222325ull);
+  CHECK(psx::detail::fnv1a64("a") == 0xaf63dc4c8601ec8cull);
+  CHECK(psx::detail::fnv1a64("foobar") == 0x85944171f73967e8ull);
+}
+
+TEST_CASE("initializers: values depend on seed, name and index only") {
+  const auto init = psx::Initializer::normal(0.5f, 2.0f, 42);
+  std::vector<float> all(1000), tail(400);
+  init.fill("w", 0, all);
+  init.fill("w", 600, tail);
+  CHECK(std::equal(tail.begin(), tail.end(), all.begin() + 600));
+  CHECK(init.value("w", 17) == all[17]);
+  CHECK(init.value("w", 17) != init.value("v", 17));                               // name matters
+  CHECK(init.value("w", 17) != psx::Initializer::normal(0.5f, 2.0f, 43).value("w", 17));  // seed matters
+}
+
+TEST_CASE("initializers draw from the stated distributions") {
+  const std::size_t n = 200000;
+  std::vector<float> x(n);
+  auto moments = [&] {
+    const double mean = std::accumulate(x.begin(), x.end(), 0.0) / n;
+    double var = 0;
+    for (float v : x) var += (v - mean) * (v - mean);
+    return std::pair{mean, std::sqrt(var / n)};
+  };
+
+  SUBCASE("zeros and constant") {
+    psx::Initializer::zeros().fill("a", 0, x);
+    CHECK(std::all_of(x.begin(), x.end(), [](float v) { return v == 0.0f; }));
+    psx::Initializer::constant(3.5f).fill("a", 0, x);
+    CHECK(std::all_of(x.begin(), x.end(), [](float v) { return v == 3.5f; }));
+  }
+  SUBCASE("uniform") {
+    psx::Initializer::uniform(-1.0f, 3.0f, 1).fill("u", 0, x);
+    CHECK(*std::min_element(x.begin(), x.end()) >= -1.0f);
+    CHECK(*std::max_element(x.begin(), x.end()) < 3.0f);
+    auto [mean, sd] = moments();
+    CHECK(mean == doctest::Approx(1.0).epsilon(0.01));
+    CHECK(sd == doctest::Approx(4.0 / std::sqrt(12.0)).epsilon(0.01));
+  }
+  SUBCASE("normal") {
+    psx::Initializer::normal(1.0f, 0.5f, 2).fill("n", 0, x);
+    auto [mean, sd] = moments();
+    CHECK(mean == doctest::Approx(1.0).epsilon(0.01));
+    CHECK(sd == doctest::Approx(0.5).epsilon(0.01));
+  }
+  SUBCASE("truncated normal stays within two standard deviations") {
+    psx::Initializer::truncated_normal(0.0f, 1.0f, 3).fill("t", 0, x);
+    CHECK(*std::min_element(x.begin(), x.end()) >= -2.0f);
+    CHECK(*std::max_element(x.begin(), x.end()) <= 2.0f);
+    auto [mean, sd] = moments();
+    CHECK(std::abs(mean) < 0.01);
+    CHECK(sd == doctest::Approx(0.8796).epsilon(0.01));  // sd of N(0,1) truncated to [-2, 2]
+  }
+}
+
+TEST_CASE("variable specs are checked") {
+  CHECK(message_of<psx::shape_error>([] { psx::detail::make_meta(psx::dense("w", {3, 0}), 0); })
+            .find("'w' has a zero extent in shape [3, 0]") != std::string::npos);
+  CHECK(message_of<psx::shape_error>([] {
+          psx::detail::make_meta({"e", {10}, psx::VariableKind::sparse}, 0);
+        }).find("sparse variable 'e' needs a shape [rows, dim], got [10]") != std::string::npos);
+  CHECK_THROWS_AS(psx::detail::make_meta(psx::dense("", {1}), 0), psx::config_error);
+  CHECK_THROWS_AS(psx::detail::make_meta(psx::dense("huge", {1ull << 40, 1ull << 40}), 0), psx::shape_error);
+
+  const auto m = psx::detail::make_meta(psx::dense("w", {4, 3, 2}), 7);
+  CHECK(m.rows == 4);
+  CHECK(m.row_width == 6);
+  CHECK(m.id == 7);
+  const auto scalar = psx::detail::make_meta(psx::dense("s", {}), 0);
+  CHECK(scalar.rows == 1);
+  CHECK(scalar.row_width == 1);
+}
+
+namespace {
+psx::VariableMeta meta(std::string name, std::size_t rows, std::uint32_t id = 0) {
+  return psx::detail::make_meta(psx::dense(std::move(name), {rows, 2}), id);
+}
+}  // namespace
+
+TEST_CASE("HashByName places by the specified hash") {
+  const psx::partition::HashByName p;
+  for (std::size_t servers : {1, 2, 3, 7}) {
+    const auto shards = p.place(meta("layer1/weights", 10), servers);
+    REQUIRE(shards.size() == 1);
+    CHECK(shards[0] == psx::Shard{psx::detail::fnv1a64("layer1/weights") % servers, 0, 10});
+  }
+}
+
+TEST_CASE("RoundRobin deals variables to servers in declaration order") {
+  const psx::partition::RoundRobin p;
+  for (std::uint32_t id = 0; id < 7; ++id) CHECK(p.place(meta("v", 5, id), 3)[0].server == id % 3);
+}
+
+TEST_CASE("RowRange tiles the rows in nearly equal ranges") {
+  const psx::partition::RowRange p;
+  for (std::size_t rows : {1, 2, 5, 10, 11, 1000}) {
+    for (std::size_t servers : {1, 2, 3, 4}) {
+      const auto m = meta("v", rows, 1);
+      const auto shards = p.place(m, servers);
+      CHECK_NOTHROW(psx::detail::check_placement(m, shards, servers));
+      CHECK(shards.size() == std::min(rows, servers));
+      std::set<std::size_t> used;
+      std::size_t lo = rows, hi = 0;
+      for (const auto& s : shards) {
+        used.insert(s.server);
+        lo = std::min(lo, s.rows());
+        hi = std::max(hi, s.rows());
+      }
+      CHECK(used.size() == shards.size());  // one range per server
+      CHECK(hi - lo <= 1);
+    }
+  }
+  CHECK(psx::partition::RowRange{.min_rows = 100}.place(meta("v", 250), 4).size() == 2);
+}
+
+TEST_CASE("placements that do not tile the rows are refused") {
+  const auto m = meta("w", 10);
+  auto msg = [&](std::vector<psx::Shard> shards) {
+    return message_of<psx::config_error>([&] { psx::detail::check_placement(m, shards, 2); });
+  };
+  CHECK(msg({}).find("no shard") != std::string::npos);
+  CHECK(msg({{2, 0, 10}}).find("names server 2") != std::string::npos);
+  CHECK(msg({{0, 0, 4}, {1, 5, 10}}).find("next row to cover is 4") != std::string::npos);
+  CHECK(msg({{0, 0, 4}}).find("end at row 4") != std::string::npos);
+}
+
+TEST_CASE("VariableInfo::shard_of_row finds the owning shard") {
+  psx::VariableInfo v;
+  v.meta = meta("w", 10);
+  v.shards = psx::partition::RowRange{}.place(v.meta, 3);  // [0,4) [4,7) [7,10)
+  CHECK(v.shard_of_row(0) == 0);
+  CHECK(v.shard_of_row(3) == 0);
+  CHECK(v.shard_of_row(4) == 1);
+  CHECK(v.shard_of_row(6) == 1);
+  CHECK(v.shard_of_row(9) == 2);
+}
+
+TEST_CASE("ShardRange splits a data set like tf.data's shard") {
+  const psx::ShardRange r(10, 4, 1);
+  CHECK(std::vector<std::size_t>(r.begin(), r.end()) == std::vector<std::size_t>{1, 5, 9});
+  CHECK(r.size() == 3);
+  CHECK(r[2] == 9);
+  CHECK(psx::ShardRange(3, 4, 3).empty());
+  CHECK(psx::ShardRange(0, 2, 0).empty());
+  std::vector<int> seen(103, 0);
+  for (std::size_t i = 0; i < 5; ++i)
+    for (std::size_t k : psx::ShardRange(103, 5, i)) ++seen[k];
+  CHECK(std::all_of(seen.begin(), seen.end(), [](int c) { return c == 1; }));
+}

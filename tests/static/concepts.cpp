@@ -1,0 +1,121 @@
+// Compile-time checks of psx/concepts.hpp: every built-in policy models its
+// concept, the documented minimal types do too, and types that miss one
+// requirement do not. A failure here is a compile error.
+#include <psx/psx.hpp>
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+namespace {
+
+// -- the minimal conforming types of docs/concepts.md -------------------------
+struct AllOnServerZero {
+  std::vector<psx::Shard> place(const psx::VariableMeta& v, std::size_t) const { return {{0, 0, v.rows}}; }
+};
+struct ApplyOnArrival {
+  struct State {
+    psx::PushAction on_push(const psx::PushInfo&, const psx::ServerClock&) { return {}; }
+    bool may_pull(std::size_t, std::uint64_t, const psx::ServerClock&) const { return true; }
+    bool step_complete(std::uint64_t, const psx::ServerClock&) const { return true; }
+    void finish(std::span<float>, std::size_t) const {}
+  };
+  State make_state(std::size_t) const { return {}; }
+};
+struct PlainSGD {
+  float lr = 0.01f;
+  std::size_t slots() const { return 0; }
+  void update(std::span<float> w, std::span<const float> g, const psx::SlotView&, const psx::UpdateContext&) const {
+    for (std::size_t i = 0; i < w.size(); ++i) w[i] -= lr * g[i];
+  }
+};
+
+// -- built-ins ------------------------------------------------------------------
+static_assert(psx::Partitioner<psx::partition::HashByName>);
+static_assert(psx::Partitioner<psx::partition::RoundRobin>);
+static_assert(psx::Partitioner<psx::partition::RowRange>);
+static_assert(psx::SyncPolicy<psx::sync::Synchronous>);
+static_assert(psx::SyncPolicy<psx::sync::Asynchronous>);
+static_assert(psx::Optimizer<psx::optim::SGD>);
+static_assert(psx::Transport<psx::transport::InProcess>);
+static_assert(psx::Link<psx::transport::InProcess::link_type>);
+static_assert(psx::Partitioner<AllOnServerZero>);
+static_assert(psx::SyncPolicy<ApplyOnArrival>);
+static_assert(psx::Optimizer<PlainSGD>);
+
+// -- one requirement missing each -------------------------------------------------
+struct NoPlace {};
+struct PlaceReturnsWrongType {
+  int place(const psx::VariableMeta&, std::size_t) const { return 0; }
+};
+struct PlaceNotConst {
+  std::vector<psx::Shard> place(const psx::VariableMeta&, std::size_t) { return {}; }
+};
+struct NotCopyable {
+  NotCopyable() = default;
+  NotCopyable(const NotCopyable&) = delete;
+  std::vector<psx::Shard> place(const psx::VariableMeta&, std::size_t) const { return {}; }
+};
+static_assert(!psx::Partitioner<NoPlace>);
+static_assert(!psx::Partitioner<PlaceReturnsWrongType>);
+static_assert(!psx::Partitioner<PlaceNotConst>);
+static_assert(!psx::Partitioner<NotCopyable>);
+
+struct NoMakeState {};
+struct StateWithoutMayPull {
+  struct State {
+    psx::PushAction on_push(const psx::PushInfo&, const psx::ServerClock&) { return {}; }
+    bool step_complete(std::uint64_t, const psx::ServerClock&) const { return true; }
+    void finish(std::span<float>, std::size_t) const {}
+  };
+  State make_state(std::size_t) const { return {}; }
+};
+struct StateWithoutFinish {
+  struct State {
+    psx::PushAction on_push(const psx::PushInfo&, const psx::ServerClock&) { return {}; }
+    bool may_pull(std::size_t, std::uint64_t, const psx::ServerClock&) const { return true; }
+    bool step_complete(std::uint64_t, const psx::ServerClock&) const { return true; }
+  };
+  State make_state(std::size_t) const { return {}; }
+};
+static_assert(!psx::SyncPolicy<NoMakeState>);
+static_assert(!psx::SyncPolicy<StateWithoutMayPull>);
+static_assert(!psx::SyncPolicy<StateWithoutFinish>);
+static_assert(!psx::SyncState<StateWithoutMayPull::State>);
+
+struct NoSlots {
+  void update(std::span<float>, std::span<const float>, const psx::SlotView&, const psx::UpdateContext&) const {}
+};
+struct NoUpdate {
+  std::size_t slots() const { return 0; }
+};
+struct UpdateTakesDoubles {
+  std::size_t slots() const { return 0; }
+  void update(std::span<double>, std::span<const double>, const psx::SlotView&, const psx::UpdateContext&) const {}
+};
+static_assert(!psx::Optimizer<NoSlots>);
+static_assert(!psx::Optimizer<NoUpdate>);
+static_assert(!psx::Optimizer<UpdateTakesDoubles>);
+
+struct NoConnect {};
+struct LinkWithoutClose {
+  struct link_type {
+    void send(std::size_t, psx::Request&&) {}
+    void serve(std::size_t, psx::RequestHandler&) {}
+  };
+  std::unique_ptr<link_type> connect(const psx::TransportContext&) const { return nullptr; }
+};
+static_assert(!psx::Transport<NoConnect>);
+static_assert(!psx::Transport<LinkWithoutClose>);
+
+// The explain functions accept what the concepts accept.
+static_assert(psx::explain_partitioner<AllOnServerZero>());
+static_assert(psx::explain_sync_policy<ApplyOnArrival>());
+static_assert(psx::explain_optimizer<PlainSGD>());
+static_assert(psx::explain_transport<psx::transport::InProcess>());
+
+// A server composed of the minimal types compiles.
+using Minimal = psx::ParameterServer<AllOnServerZero, ApplyOnArrival, PlainSGD>;
+static_assert(sizeof(Minimal) > 0);
+
+}  // namespace
