@@ -1,22 +1,20 @@
 // custom_partitioner: a user-written partitioner plugged into the same
-// ParameterServer. `BySize` keeps small variables whole on the server with the
-// fewest bytes so far, and splits large ones by rows over every server.
+// ParameterServer. `BySize` keeps small variables whole (dealt to servers in
+// declaration order) and splits large ones by rows over every server.
 #include <psx/psx.hpp>
 
 #include <cstdio>
 #include <vector>
 
 // A Partitioner needs one const member: place(meta, num_servers) -> shards
-// tiling [0, meta.rows). It must answer the same for the same input, so
-// every process agrees: here the running tally is recomputed from the
-// declaration order, which every process sees alike.
+// tiling [0, meta.rows). It must answer the same for the same input, so that
+// every process of a cluster computes the same placement.
 struct BySize {
   std::size_t split_above_bytes = 1 << 16;
 
   std::vector<psx::Shard> place(const psx::VariableMeta& v, std::size_t num_servers) const {
     if (v.bytes() > split_above_bytes) return psx::partition::RowRange{}.place(v, num_servers);
-    // Small variables: round-robin by declaration order, a stateless stand-in
-    // for "least loaded" that every process computes identically.
+    // Small variables: whole, dealt round-robin by declaration order.
     return {{v.id % num_servers, 0, v.rows}};
   }
 };

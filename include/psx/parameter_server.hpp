@@ -228,6 +228,14 @@ class ParameterServer {
       if (t.joinable() && t.get_id() != std::this_thread::get_id()) t.join();
   }
 
+  //! Server `index`'s counters (zeros before `start()`).
+  ServerStats server_stats(std::size_t index) const {
+    if (index >= config().num_servers)
+      throw config_error("psx: server " + std::to_string(index) + " of a cluster of " +
+                         std::to_string(config().num_servers) + " servers");
+    return index < servers_.size() ? servers_[index]->stats() : ServerStats{};
+  }
+
   //! True between `start()` and `shutdown()`.
   bool running() const noexcept { return started_ && !core_->stopped.load(); }
 

@@ -13,6 +13,7 @@
 #include <psx/variable.hpp>
 
 #include <algorithm>
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -72,6 +73,17 @@ struct Contribution {
 
 }  // namespace detail
 
+//! Counters a server keeps; read from any thread (relaxed atomics: each value
+//! is exact once the server is idle, and a snapshot while it works).
+struct ServerStats {
+  std::uint64_t requests = 0;   //!< requests handled (a kept request counts when it arrives)
+  std::uint64_t pulls = 0;      //!< pull, pull_rows and read requests
+  std::uint64_t pushes = 0;     //!< push and push_rows requests
+  std::uint64_t bytes_in = 0;   //!< gradient payload received
+  std::uint64_t bytes_out = 0;  //!< parameter payload answered
+  std::uint64_t errors = 0;     //!< requests answered with an error
+};
+
 //! A server of the cluster: holds the shards the partitioner gave it.
 template <class S, class O>
 class Server final : public RequestHandler {
@@ -98,11 +110,19 @@ class Server final : public RequestHandler {
   Server& operator=(const Server&) = delete;
 
   void handle(Request&& r) noexcept override {
+    count(requests_);
     try {
       dispatch(std::move(r));
     } catch (...) {
+      count(errors_);
       r.finish(std::current_exception());
     }
+  }
+
+  //! A snapshot of the counters.
+  ServerStats stats() const noexcept {
+    auto get = [](const std::atomic<std::uint64_t>& a) { return a.load(std::memory_order_relaxed); };
+    return {get(requests_), get(pulls_), get(pushes_), get(bytes_in_), get(bytes_out_), get(errors_)};
   }
 
   void drain(std::exception_ptr error) noexcept override {
@@ -233,7 +253,9 @@ class Server final : public RequestHandler {
 
   void answer_pull(const Request& r) {
     const bool rows = r.op == Op::pull_rows;
+    count(pulls_);
     for (const Item& item : r.items) {
+      count(bytes_out_, (rows ? item.ids.size() * shard_for(r, item).width() : item.out.size()) * sizeof(float));
       ShardState& s = shard_for(r, item);
       if (!rows) {
         std::memcpy(item.out.data(), s.params.data(), s.params.size() * sizeof(float));
@@ -254,6 +276,7 @@ class Server final : public RequestHandler {
 
   void push(const Request& r) {
     const bool rows = r.op == Op::push_rows;
+    count(pushes_);
     // Decide every item first, so a refused request changes nothing.
     std::vector<PushAction> actions;
     actions.reserve(r.items.size());
@@ -270,6 +293,7 @@ class Server final : public RequestHandler {
     for (std::size_t i = 0; i < r.items.size(); ++i) {
       const Item& item = r.items[i];
       ShardState& s = shard_for(r, item);
+      count(bytes_in_, (rows ? item.ids.size() * s.width() : item.in.size()) * sizeof(float));
       if (actions[i].kind == PushAction::Kind::apply) {
         if (rows) {
           scratch_rows(s, item);
@@ -432,7 +456,14 @@ class Server final : public RequestHandler {
     barrier_.clear();
   }
 
+  // Only the server thread writes the counters; a plain load + store keeps
+  // the hot path free of locked instructions.
+  static void count(std::atomic<std::uint64_t>& a, std::uint64_t n = 1) noexcept {
+    a.store(a.load(std::memory_order_relaxed) + n, std::memory_order_relaxed);
+  }
+
   std::size_t index_;
+  std::atomic<std::uint64_t> requests_{0}, pulls_{0}, pushes_{0}, bytes_in_{0}, bytes_out_{0}, errors_{0};
   SyncStateT sync_;
   O optimizer_;
   std::vector<std::vector<std::unique_ptr<ShardState>>> shards_;  // [variable][shard]; null where not ours

@@ -320,6 +320,25 @@ TEST_CASE("batched pulls and pushes and async handles") {
   CHECK_THROWS_AS(w.pull({{"a", a}, {"c", b}}), psx::unknown_variable);
 }
 
+TEST_CASE("variables bound for one server travel in one message") {
+  psx::ParameterServer<psx::partition::RoundRobin, psx::sync::Asynchronous> ps({2, 1});
+  ps.declare(psx::dense("a", {4}));  // server 0
+  ps.declare(psx::dense("b", {4}));  // server 1
+  ps.declare(psx::dense("c", {8}));  // server 0
+  auto w = ps.worker(0);
+  std::vector<float> a(4), b(4), c(8);
+  const auto before0 = ps.server_stats(0), before1 = ps.server_stats(1);
+  w.pull({{"a", a}, {"b", b}, {"c", c}});
+  w.push({{"a", a}, {"c", c}});
+  const auto after0 = ps.server_stats(0), after1 = ps.server_stats(1);
+  CHECK(after0.requests - before0.requests == 2);  // one pull, one push
+  CHECK(after1.requests - before1.requests == 1);  // one pull
+  CHECK(after0.bytes_out - before0.bytes_out == 12 * sizeof(float));
+  CHECK(after0.bytes_in - before0.bytes_in == 12 * sizeof(float));
+  CHECK(after1.bytes_in == before1.bytes_in);
+  CHECK_THROWS_AS(ps.server_stats(2), psx::config_error);
+}
+
 TEST_CASE("barrier releases every worker together") {
   Watchdog dog("barrier");
   psx::ParameterServer<> ps({2, 4});

@@ -7,7 +7,6 @@
 #include <functional>
 #include <numeric>
 #include <span>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -17,11 +16,9 @@ namespace detail {
 
 //! "[784, 10]": a shape as error messages print it.
 inline std::string shape_string(std::span<const std::size_t> shape) {
-  std::ostringstream os;
-  os << '[';
-  for (std::size_t i = 0; i < shape.size(); ++i) os << (i ? ", " : "") << shape[i];
-  os << ']';
-  return os.str();
+  std::string s = "[";
+  for (std::size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + ']';
 }
 
 //! Product of the extents (1 for a scalar's empty shape).
