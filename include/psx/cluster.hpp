@@ -2,6 +2,7 @@
 //! The shape of a cluster, and the data-set shard each worker reads.
 #pragma once
 
+#include <chrono>
 #include <cstddef>
 #include <iterator>
 
@@ -12,6 +13,12 @@ inline namespace v0 {
 struct ClusterConfig {
   std::size_t num_servers = 1;
   std::size_t num_workers = 1;
+  //! A worker that sends nothing for this long while a server holds requests
+  //! waiting on progress (and it has none waiting itself) is lost; the sync
+  //! policy then decides (`psx::OnWorkerLost`). Zero: never time out. In one
+  //! process a worker's calls are its heartbeat, so set this above the
+  //! longest computation a worker makes between two calls.
+  std::chrono::milliseconds peer_timeout{0};
   friend bool operator==(const ClusterConfig&, const ClusterConfig&) = default;
 };
 

@@ -70,33 +70,78 @@ struct UpdateContext {
   const VariableMeta* variable = nullptr;
 };
 
+//! One shard as a sync policy sees it.
+struct ShardProgress {
+  const VariableMeta* variable = nullptr;
+  //! Updates applied to this shard so far (each apply, alone or aggregated, counts one).
+  std::uint64_t version = 0;
+  //! Aggregated steps this shard has completed (0, 1, 2, ...): the next step to apply.
+  std::uint64_t applied_steps = 0;
+};
+
 //! A push as a sync policy sees it.
 struct PushInfo {
   std::size_t worker = 0;
   //! The worker's clock when it pushed (steps it had finished).
   std::uint64_t clock = 0;
+  //! The shard's `version` when this worker last pulled it (0 if never).
+  std::uint64_t pulled_version = 0;
+  //! The shard's `applied_steps` when this worker last pulled it (0 if never).
+  std::uint64_t pulled_step = 0;
   const VariableMeta* variable = nullptr;
+};
+
+//! The aggregate of one step of one shard, as a sync policy sees it.
+struct StepProgress {
+  //! The step: the shard's next one to apply.
+  std::uint64_t step = 0;
+  //! Workers whose gradient is in the aggregate.
+  std::size_t contributors = 0;
+  //! Of those, the workers still training.
+  std::size_t live_contributors = 0;
+};
+
+//! A pull as a sync policy sees it.
+struct PullInfo {
+  std::size_t worker = 0;
+  //! The worker's clock when it pulled.
+  std::uint64_t clock = 0;
+  //! Whether the worker has pushed to this shard, and the step that push
+  //! went to (or was dropped from).
+  bool has_pushed = false;
+  std::uint64_t pushed_step = 0;
 };
 
 //! A server's view of training progress, given to the sync policy.
 struct ServerClock {
   //! Clock of each worker: number of `step()` calls the server has seen from it.
   std::span<const std::uint64_t> worker_clocks;
-  //! Smallest of `worker_clocks`.
+  //! Smallest clock among the workers still training (the largest clock
+  //! once none is).
   std::uint64_t min_clock = 0;
-  //! Aggregated steps this server has applied (0, 1, 2, ...).
-  std::uint64_t applied_steps = 0;
+  //! Workers still training: joined, not left, not lost.
+  std::size_t live_workers = 0;
 };
 
 //! What a server does with a push.
 struct PushAction {
   enum class Kind : std::uint8_t {
     apply,      //!< apply it now, alone, scaled by `lr_scale`
-    aggregate,  //!< add it to the aggregate of step `clock`, applied when the step completes
+    aggregate,  //!< add it to the aggregate of step `step`, applied when that step completes
+    drop,       //!< discard it and count it (a late gradient for a finished step)
     reject,     //!< refuse it: the worker gets `psx::sync_error`
   };
   Kind kind = Kind::apply;
   float lr_scale = 1.0f;
+  //! For `aggregate`: the step the gradient belongs to.
+  std::uint64_t step = 0;
+};
+
+//! What happens to training when a worker is lost (its function threw, or
+//! it stopped answering for longer than the peer timeout).
+enum class OnWorkerLost : std::uint8_t {
+  fail,    //!< every waiting and later request fails with `psx::peer_lost` naming the worker
+  shrink,  //!< carry on without it: the worker counts as having left
 };
 
 //! What a transport is told about the cluster it connects.
@@ -155,41 +200,63 @@ consteval bool explain_partitioner() {
 
 namespace detail {
 template <class St>
-concept has_on_push = requires(St& st, const PushInfo& p, const ServerClock& c) {
-  { st.on_push(p, c) } -> std::same_as<PushAction>;
+concept has_on_push = requires(St& st, const PushInfo& p, const ShardProgress& s, const ServerClock& c) {
+  { st.on_push(p, s, c) } -> std::same_as<PushAction>;
 };
 template <class St>
-concept has_may_pull = requires(const St& st, std::size_t worker, std::uint64_t clock, const ServerClock& c) {
-  { st.may_pull(worker, clock, c) } -> std::same_as<bool>;
+concept has_may_pull = requires(const St& st, const PullInfo& p, const ShardProgress& s, const ServerClock& c) {
+  { st.may_pull(p, s, c) } -> std::same_as<bool>;
 };
 template <class St>
-concept has_step_complete = requires(const St& st, std::uint64_t step, const ServerClock& c) {
-  { st.step_complete(step, c) } -> std::same_as<bool>;
+concept has_step_complete = requires(const St& st, const StepProgress& step, const ShardProgress& s,
+                                     const ServerClock& c) {
+  { st.step_complete(step, s, c) } -> std::same_as<bool>;
 };
 template <class St>
-concept has_finish = requires(const St& st, std::span<float> sum, std::size_t contributors) {
-  st.finish(sum, contributors);
+concept has_finish = requires(const St& st, std::span<float> sum, std::size_t contributors, const ShardProgress& s,
+                              const ServerClock& c) { st.finish(sum, contributors, s, c); };
+template <class St>
+concept has_on_worker_lost = requires(const St& st, std::size_t worker, const ServerClock& c) {
+  { st.on_worker_lost(worker, c) } -> std::same_as<OnWorkerLost>;
 };
 template <class S>
 concept has_make_state = requires(const S& s, std::size_t num_workers) { s.make_state(num_workers); };
+
+// Optional: delay compensation (DC-ASGD). A state that provides both keeps,
+// per worker, a copy of the parameters it last pulled.
+template <class St>
+concept has_compensation = requires(const St& st, const VariableMeta& v, std::span<float> g,
+                                    std::span<const float> now, std::span<const float> pulled) {
+  { st.compensates(v) } -> std::same_as<bool>;
+  st.compensate(v, g, now, pulled);
+};
 }  // namespace detail
 
 //! The per-server object a SyncPolicy makes. The server calls it from its own
-//! thread only, so it needs no locking.
+//! thread only, so it needs no locking. Every call sees the shard concerned
+//! (`psx::ShardProgress`) and the server's clocks (`psx::ServerClock`).
 //!
-//!  1. `on_push(push_info, clock) -> psx::PushAction`: apply the push now,
-//!     add it to the aggregate of step `push_info.clock`, or reject it.
-//!  2. `may_pull(worker, clock, server_clock) const -> bool`: may a pull from
-//!     a worker whose clock is `clock` be answered now? If not, the server
-//!     keeps it and asks again whenever progress changes.
-//!  3. `step_complete(step, server_clock) const -> bool`: may the aggregate
-//!     of `step` (the next one to apply) be applied now?
-//!  4. `finish(sum, contributors) const`: turns the sum of a step's
+//!  1. `on_push(push, shard, clock) -> psx::PushAction`: apply the push now,
+//!     add it to the aggregate of a step, drop it (counted), or reject it.
+//!  2. `may_pull(pull, shard, clock) const -> bool`: may this pull be answered
+//!     now? If not, the server keeps it and asks again whenever progress
+//!     changes; nothing blocks.
+//!  3. `step_complete(step, shard, clock) const -> bool`: may the aggregate of
+//!     the shard's next step (`psx::StepProgress`: the step, how many workers'
+//!     gradients are in it, how many of those are still training) be applied
+//!     now? A step may complete with none.
+//!  4. `finish(sum, contributors, shard, clock) const`: turns a step's sum of
 //!     contributions, added in worker order, into the gradient to apply
 //!     (a mean divides, a sum does nothing).
+//!  5. `on_worker_lost(worker, clock) const -> psx::OnWorkerLost`: carry on
+//!     without a lost worker, or fail with `psx::peer_lost`.
+//!
+//! Optional: `compensates(variable) const -> bool` and
+//! `compensate(variable, g, w_now, w_pulled) const` rewrite a gradient from the
+//! parameters the worker read (delay compensation, see `sync::Asynchronous`).
 template <class St>
-concept SyncState = detail::has_on_push<St> && detail::has_may_pull<St> &&
-                    detail::has_step_complete<St> && detail::has_finish<St>;
+concept SyncState = detail::has_on_push<St> && detail::has_may_pull<St> && detail::has_step_complete<St> &&
+                    detail::has_finish<St> && detail::has_on_worker_lost<St>;
 
 //! Decides when a push is applied and when a pull may return.
 //!
@@ -200,10 +267,19 @@ concept SyncState = detail::has_on_push<St> && detail::has_may_pull<St> &&
 //! @code
 //! struct ApplyOnArrival {
 //!   struct State {
-//!     psx::PushAction on_push(const psx::PushInfo&, const psx::ServerClock&) { return {}; }
-//!     bool may_pull(std::size_t, std::uint64_t, const psx::ServerClock&) const { return true; }
-//!     bool step_complete(std::uint64_t, const psx::ServerClock&) const { return true; }
-//!     void finish(std::span<float>, std::size_t) const {}
+//!     psx::PushAction on_push(const psx::PushInfo&, const psx::ShardProgress&, const psx::ServerClock&) {
+//!       return {};
+//!     }
+//!     bool may_pull(const psx::PullInfo&, const psx::ShardProgress&, const psx::ServerClock&) const {
+//!       return true;
+//!     }
+//!     bool step_complete(const psx::StepProgress&, const psx::ShardProgress&, const psx::ServerClock&) const {
+//!       return false;
+//!     }
+//!     void finish(std::span<float>, std::size_t, const psx::ShardProgress&, const psx::ServerClock&) const {}
+//!     psx::OnWorkerLost on_worker_lost(std::size_t, const psx::ServerClock&) const {
+//!       return psx::OnWorkerLost::shrink;
+//!     }
 //!   };
 //!   State make_state(std::size_t) const { return {}; }
 //! };
@@ -222,17 +298,20 @@ consteval bool explain_sync_policy() {
   if constexpr (detail::has_make_state<S>) {
     using St = decltype(std::declval<const S&>().make_state(std::size_t{}));
     static_assert(detail::has_on_push<St>,
-                  "psx::SyncPolicy: the state is missing "
-                  "`psx::PushAction on_push(const psx::PushInfo&, const psx::ServerClock&)`");
+                  "psx::SyncPolicy: the state is missing `psx::PushAction on_push(const psx::PushInfo&, "
+                  "const psx::ShardProgress&, const psx::ServerClock&)`");
     static_assert(detail::has_may_pull<St>,
-                  "psx::SyncPolicy: the state is missing "
-                  "`bool may_pull(std::size_t worker, std::uint64_t clock, const psx::ServerClock&) const`");
+                  "psx::SyncPolicy: the state is missing `bool may_pull(const psx::PullInfo&, "
+                  "const psx::ShardProgress&, const psx::ServerClock&) const`");
     static_assert(detail::has_step_complete<St>,
-                  "psx::SyncPolicy: the state is missing "
-                  "`bool step_complete(std::uint64_t step, const psx::ServerClock&) const`");
+                  "psx::SyncPolicy: the state is missing `bool step_complete(const psx::StepProgress&, "
+                  "const psx::ShardProgress&, const psx::ServerClock&) const`");
     static_assert(detail::has_finish<St>,
-                  "psx::SyncPolicy: the state is missing "
-                  "`void finish(std::span<float> sum, std::size_t contributors) const`");
+                  "psx::SyncPolicy: the state is missing `void finish(std::span<float> sum, "
+                  "std::size_t contributors, const psx::ShardProgress&, const psx::ServerClock&) const`");
+    static_assert(detail::has_on_worker_lost<St>,
+                  "psx::SyncPolicy: the state is missing `psx::OnWorkerLost on_worker_lost(std::size_t worker, "
+                  "const psx::ServerClock&) const`");
   }
   return true;
 }
@@ -313,8 +392,9 @@ concept has_connect = requires(const T& t, const TransportContext& ctx) {
 //!     from one worker to one server arrive in the order they were sent.
 //!     Throws `psx::shutdown_error` once closed. Thread-safe.
 //!  2. `serve(server, handler)`: runs server `server`'s receive loop in the
-//!     calling thread, handing each request to `handler`, until `close()`;
-//!     then calls `handler.drain(...)` and returns.
+//!     calling thread, handing each request to `handler` and calling
+//!     `handler.tick(now)` whenever `handler.next_tick()` has passed, until
+//!     `close()`; then calls `handler.drain(...)` and returns.
 //!  3. `close() noexcept`: stops every loop; requests not yet handled finish
 //!     with `psx::shutdown_error`. Idempotent.
 template <class L>

@@ -12,6 +12,7 @@
 
 #include <psx/errors.hpp>
 
+#include <chrono>
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
@@ -19,6 +20,7 @@
 #include <memory>
 #include <mutex>
 #include <span>
+#include <string>
 #include <vector>
 
 namespace psx {
@@ -33,6 +35,7 @@ enum class Op : std::uint8_t {
   clock,      //!< the worker finished step `clock - 1` (carries no item)
   join,       //!< the worker (re)joins: sync waits count it again (carries no item)
   leave,      //!< the worker is done: sync waits no longer count it (carries no item)
+  fail,       //!< the worker failed (`Request::reason` says how): the sync policy decides
   barrier,    //!< wait until every worker has reached the same barrier (server 0 only)
   read,       //!< like pull, but never waits for the sync policy (inspection)
 };
@@ -93,6 +96,8 @@ struct Request {
   //! The worker's clock (number of `step()` calls) when it sent this.
   std::uint64_t clock = 0;
   std::vector<Item> items;
+  //! For `Op::fail`: what happened to the worker.
+  std::string reason;
   //! Finished by the server once the request is answered; may be null for
   //! fire-and-forget messages (clock ticks).
   std::shared_ptr<Completion> done;
@@ -105,11 +110,18 @@ struct Request {
 //! The server side of a transport: what `Link::serve` hands requests to.
 class RequestHandler {
  public:
+  using clock_type = std::chrono::steady_clock;
+
   //! Answers `r` now or keeps it until the sync policy lets it through.
   //! Errors finish the request; nothing escapes.
   virtual void handle(Request&& r) noexcept = 0;
   //! The link is closing: finish every request still kept with `error`.
   virtual void drain(std::exception_ptr error) noexcept = 0;
+  //! When the loop must call `tick` next even if no request comes
+  //! (`time_point::max()`: never).
+  virtual clock_type::time_point next_tick() const noexcept = 0;
+  //! Periodic work (timeouts); called by the loop at or after `next_tick()`.
+  virtual void tick(clock_type::time_point now) noexcept = 0;
 
  protected:
   ~RequestHandler() = default;

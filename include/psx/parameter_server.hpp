@@ -118,7 +118,8 @@ class ParameterServer {
     core_->send = [link](std::size_t server, Request&& r) { link->send(server, std::move(r)); };
     servers_.reserve(config().num_servers);
     for (std::size_t s = 0; s < config().num_servers; ++s)
-      servers_.push_back(std::make_unique<server_type>(s, config().num_workers, core_->variables, sync_, optimizer_));
+      servers_.push_back(
+          std::make_unique<server_type>(s, config().num_workers, core_->variables, sync_, optimizer_, config().peer_timeout));
     for (std::size_t s = 0; s < config().num_servers; ++s)
       threads_.emplace_back([link, server = servers_[s].get(), s] { link->serve(s, *server); });
   }
@@ -134,8 +135,10 @@ class ParameterServer {
 
   //! Runs `fn(worker)` for every worker, each on its own thread, and returns
   //! when all have. A worker that returns leaves the cluster (synchronous
-  //! steps stop waiting for it). If one throws, the cluster shuts down so no
-  //! other worker waits forever, and the first exception is rethrown.
+  //! steps stop waiting for it). A worker that throws is lost: the sync
+  //! policy decides whether the others carry on without it or fail with
+  //! `psx::peer_lost` (see `psx::OnWorkerLost`); either way no worker waits
+  //! forever, and once all have returned the first exception is rethrown.
   template <class F>
     requires std::invocable<F&, Worker&>
   void run(F&& fn) {
@@ -168,21 +171,51 @@ class ParameterServer {
         Worker worker(*core_, w);
         try {
           fn(worker);
-          leave(w);
+          notify(w, Op::leave, {});
+        } catch (const std::exception& e) {
+          {
+            std::lock_guard lock(mu);
+            if (!first) first = std::current_exception();
+          }
+          notify(w, Op::fail, std::string("its function threw: ") + e.what());
         } catch (...) {
           {
             std::lock_guard lock(mu);
             if (!first) first = std::current_exception();
           }
-          shutdown_link();
+          notify(w, Op::fail, "its function threw a non-standard exception");
         }
       });
     }
     for (auto& t : workers) t.join();
-    if (first) {
-      shutdown();
-      std::rethrow_exception(first);
+    if (first) std::rethrow_exception(first);
+  }
+
+  //! Counters of server `index` (zeros before `start()`).
+  ServerStats server_stats(std::size_t index) const {
+    if (index >= config().num_servers)
+      throw config_error("psx: server " + std::to_string(index) + " of a cluster of " +
+                         std::to_string(config().num_servers) + " servers");
+    return index < servers_.size() ? servers_[index]->stats() : ServerStats{};
+  }
+
+  //! Every server's counters added up.
+  ServerStats stats() const {
+    ServerStats total;
+    total.staleness.assign(staleness_buckets, 0);
+    for (std::size_t s = 0; s < config().num_servers; ++s) {
+      const ServerStats one = server_stats(s);
+      total.requests += one.requests;
+      total.pulls += one.pulls;
+      total.pushes += one.pushes;
+      total.bytes_in += one.bytes_in;
+      total.bytes_out += one.bytes_out;
+      total.errors += one.errors;
+      total.dropped += one.dropped;
+      total.steps += one.steps;
+      for (std::size_t k = 0; k < one.staleness.size(); ++k) total.staleness[k] += one.staleness[k];
     }
+    return total;
   }
 
   //! The current value of variable `name`, read from its servers without
@@ -228,14 +261,6 @@ class ParameterServer {
       if (t.joinable() && t.get_id() != std::this_thread::get_id()) t.join();
   }
 
-  //! Server `index`'s counters (zeros before `start()`).
-  ServerStats server_stats(std::size_t index) const {
-    if (index >= config().num_servers)
-      throw config_error("psx: server " + std::to_string(index) + " of a cluster of " +
-                         std::to_string(config().num_servers) + " servers");
-    return index < servers_.size() ? servers_[index]->stats() : ServerStats{};
-  }
-
   //! True between `start()` and `shutdown()`.
   bool running() const noexcept { return started_ && !core_->stopped.load(); }
 
@@ -246,14 +271,16 @@ class ParameterServer {
     if (link_) link_->close();
   }
 
-  void leave(std::size_t w) {
+  // Tells every server that worker `w` left or failed; nobody waits for the answer.
+  void notify(std::size_t w, Op op, const std::string& reason) noexcept {
     for (std::size_t s = 0; s < config().num_servers; ++s) {
-      Request r;
-      r.op = Op::leave;
-      r.worker = static_cast<std::uint32_t>(w);
       try {
+        Request r;
+        r.op = op;
+        r.worker = static_cast<std::uint32_t>(w);
+        r.reason = reason;
         core_->send(s, std::move(r));
-      } catch (const shutdown_error&) {  // already stopping: nobody waits for it
+      } catch (...) {  // shut down already: nobody is waiting
       }
     }
   }

@@ -13,7 +13,9 @@
 #include <psx/variable.hpp>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -67,6 +69,7 @@ class RowAccumulator {
 // One worker's gradient for one shard in one step: the sum of its pushes.
 struct Contribution {
   bool present = false;
+  std::uint64_t pulled_version = 0;  // the shard version the worker had read
   std::vector<float> dense;  // the whole shard, or empty when only rows were pushed
   RowAccumulator rows;
 };
@@ -77,33 +80,46 @@ struct Contribution {
 //! is exact once the server is idle, and a snapshot while it works).
 struct ServerStats {
   std::uint64_t requests = 0;   //!< requests handled (a kept request counts when it arrives)
-  std::uint64_t pulls = 0;      //!< pull, pull_rows and read requests
-  std::uint64_t pushes = 0;     //!< push and push_rows requests
+  std::uint64_t pulls = 0;      //!< pull, pull_rows and read requests answered
+  std::uint64_t pushes = 0;     //!< push and push_rows requests taken
   std::uint64_t bytes_in = 0;   //!< gradient payload received
   std::uint64_t bytes_out = 0;  //!< parameter payload answered
   std::uint64_t errors = 0;     //!< requests answered with an error
+  std::uint64_t dropped = 0;    //!< gradients the sync policy dropped (late for their step)
+  std::uint64_t steps = 0;      //!< aggregated steps applied, summed over this server's shards
+  //! `staleness[k]`: applied gradients whose staleness was k (the shard's
+  //! version when applied minus the version the worker had pulled); the last
+  //! bucket counts every staleness of `size() - 1` or more.
+  std::vector<std::uint64_t> staleness;
 };
+
+//! Number of staleness histogram buckets.
+inline constexpr std::size_t staleness_buckets = 64;
 
 //! A server of the cluster: holds the shards the partitioner gave it.
 template <class S, class O>
 class Server final : public RequestHandler {
   using SyncStateT = decltype(std::declval<const S&>().make_state(std::size_t{}));
+  using time_point = clock_type::time_point;
 
  public:
   //! `variables` must outlive the server (shards point at their entries).
-  Server(std::size_t index, std::size_t num_workers, const std::vector<VariableInfo>& variables,
-         const S& sync, const O& optimizer)
+  Server(std::size_t index, std::size_t num_workers, const std::vector<VariableInfo>& variables, const S& sync,
+         const O& optimizer, std::chrono::milliseconds peer_timeout = {})
       : index_(index),
         sync_(sync.make_state(num_workers)),
         optimizer_(optimizer),
+        peer_timeout_(peer_timeout),
         clocks_(num_workers, 0),
-        departed_(num_workers, false) {
+        gone_(num_workers, Gone::no),
+        last_seen_(num_workers, clock_type::now()) {
     shards_.resize(variables.size());
     for (const VariableInfo& v : variables) {
       shards_[v.meta.id].resize(v.shards.size());
       for (std::size_t k = 0; k < v.shards.size(); ++k)
         if (v.shards[k].server == index) shards_[v.meta.id][k] = make_shard(v, k);
     }
+    recount();
   }
 
   Server(const Server&) = delete;
@@ -119,30 +135,65 @@ class Server final : public RequestHandler {
     }
   }
 
-  //! A snapshot of the counters.
-  ServerStats stats() const noexcept {
-    auto get = [](const std::atomic<std::uint64_t>& a) { return a.load(std::memory_order_relaxed); };
-    return {get(requests_), get(pulls_), get(pushes_), get(bytes_in_), get(bytes_out_), get(errors_)};
-  }
-
   void drain(std::exception_ptr error) noexcept override {
-    for (Request& r : parked_) r.finish(error);
-    for (Request& r : barrier_) r.finish(error);
-    parked_.clear();
-    barrier_.clear();
+    fail_waiting(error);
   }
 
-  //! Number of aggregated steps applied.
-  std::uint64_t applied_steps() const noexcept { return applied_; }
+  time_point next_tick() const noexcept override {
+    if (peer_timeout_.count() <= 0) return time_point::max();
+    return last_tick_ + std::max<clock_type::duration>(peer_timeout_ / 4, std::chrono::milliseconds(1));
+  }
+
+  void tick(time_point now) noexcept override {
+    last_tick_ = now;
+    if (peer_timeout_.count() <= 0 || failure_ || (parked_.empty() && barrier_.empty())) return;
+    // Someone waits on progress: a live worker with nothing waiting here that
+    // has been silent for longer than the timeout is lost.
+    std::vector<bool> waiting(clocks_.size(), false);
+    for (const Request& r : parked_) waiting[r.worker] = true;
+    for (const Request& r : barrier_) waiting[r.worker] = true;
+    for (std::size_t w = 0; w < clocks_.size(); ++w) {
+      if (gone_[w] != Gone::no || waiting[w] || now - last_seen_[w] <= peer_timeout_) continue;
+      const auto silent = std::chrono::duration_cast<std::chrono::milliseconds>(now - last_seen_[w]);
+      try {
+        lose(w, "sent nothing for " + std::to_string(silent.count()) + " ms (peer timeout " +
+                    std::to_string(peer_timeout_.count()) + " ms)");
+      } catch (...) {  // a failing policy or allocation: keep serving
+      }
+    }
+  }
+
+  //! A snapshot of the counters.
+  ServerStats stats() const {
+    auto get = [](const std::atomic<std::uint64_t>& a) { return a.load(std::memory_order_relaxed); };
+    ServerStats st{get(requests_), get(pulls_), get(pushes_), get(bytes_in_), get(bytes_out_),
+                   get(errors_),   get(dropped_), get(steps_), {}};
+    st.staleness.reserve(staleness_buckets);
+    for (const auto& b : staleness_) st.staleness.push_back(get(b));
+    return st;
+  }
 
  private:
+  enum class Gone : std::uint8_t { no, left, lost };
+
+  // What a shard remembers of each worker.
+  struct WorkerView {
+    std::uint64_t pulled_version = 0;
+    std::uint64_t pulled_step = 0;
+    bool has_pushed = false;
+    std::uint64_t pushed_step = 0;
+    std::vector<float> pulled;  // the values last pulled, for delay compensation
+  };
+
   struct ShardState {
     const VariableInfo* var = nullptr;
     Shard shard;
     std::vector<float> params;
     std::vector<float> slots;
     std::vector<float*> slot_bases;
-    std::uint64_t updates = 0;
+    std::uint64_t version = 0;
+    std::uint64_t applied_steps = 0;
+    std::vector<WorkerView> workers;
     // Step -> each worker's contribution, for aggregating policies.
     std::map<std::uint64_t, std::vector<detail::Contribution>> pending;
 
@@ -150,6 +201,7 @@ class Server final : public RequestHandler {
     SlotView slot_view(std::size_t offset, std::size_t length) const noexcept {
       return {slot_bases.data(), slot_bases.size(), offset, length};
     }
+    ShardProgress progress() const noexcept { return {&var->meta, version, applied_steps}; }
   };
 
   std::unique_ptr<ShardState> make_shard(const VariableInfo& v, std::size_t k) const {
@@ -163,15 +215,25 @@ class Server final : public RequestHandler {
     const std::size_t num_slots = optimizer_.slots();
     s->slots.assign(num_slots * n, 0.0f);
     for (std::size_t j = 0; j < num_slots; ++j) s->slot_bases.push_back(s->slots.data() + j * n);
+    s->workers.resize(clocks_.size());
     return s;
   }
 
-  ServerClock server_clock() const noexcept {
-    return {clocks_, min_clock_, applied_};
-  }
+  ServerClock server_clock() const noexcept { return {clocks_, min_clock_, live_}; }
 
   std::string where(const Request& r) const {
     return "server " + std::to_string(index_) + ", request from worker " + std::to_string(r.worker);
+  }
+
+  // Only the server thread writes the counters; a plain load + store keeps
+  // the hot path free of locked instructions.
+  static void count(std::atomic<std::uint64_t>& a, std::uint64_t n = 1) noexcept {
+    a.store(a.load(std::memory_order_relaxed) + n, std::memory_order_relaxed);
+  }
+
+  void record_staleness(std::uint64_t now, std::uint64_t pulled) noexcept {
+    const std::uint64_t k = now > pulled ? now - pulled : 0;
+    count(staleness_[std::min<std::uint64_t>(k, staleness_buckets - 1)]);
   }
 
   ShardState& shard_for(const Request& r, const Item& item) {
@@ -191,8 +253,7 @@ class Server final : public RequestHandler {
     if (!rows) {
       if (got != s.params.size())
         throw wire_error("psx: " + where(r) + ": variable '" + name + "' shard has " +
-                         std::to_string(s.params.size()) + " floats, the request carries " +
-                         std::to_string(got));
+                         std::to_string(s.params.size()) + " floats, the request carries " + std::to_string(got));
       return s;
     }
     if (!item.positions.empty() && item.positions.size() != item.ids.size())
@@ -207,9 +268,8 @@ class Server final : public RequestHandler {
                                "' is not in this shard's rows [" + std::to_string(s.shard.row_begin) + ", " +
                                std::to_string(s.shard.row_end) + ")");
       if (pos >= buffer_rows)
-        throw wire_error("psx: " + where(r) + ": variable '" + name + "': row position " +
-                         std::to_string(pos) + " beyond the " + std::to_string(buffer_rows) +
-                         "-row buffer");
+        throw wire_error("psx: " + where(r) + ": variable '" + name + "': row position " + std::to_string(pos) +
+                         " beyond the " + std::to_string(buffer_rows) + "-row buffer");
     }
     return s;
   }
@@ -218,12 +278,14 @@ class Server final : public RequestHandler {
     if (r.op != Op::read && r.worker >= clocks_.size())
       throw wire_error("psx: server " + std::to_string(index_) + ": request from worker " +
                        std::to_string(r.worker) + " of " + std::to_string(clocks_.size()));
+    if (failure_ && r.op != Op::read) std::rethrow_exception(failure_);
+    if (r.op != Op::read) last_seen_[r.worker] = clock_type::now();
     switch (r.op) {
       case Op::pull:
       case Op::pull_rows:
       case Op::read:
         for (const Item& item : r.items) checked(r, item, r.op == Op::pull_rows, false);
-        if (r.op != Op::read && !sync_.may_pull(r.worker, r.clock, server_clock())) {
+        if (r.op != Op::read && !may_pull(r)) {
           parked_.push_back(std::move(r));
           return;
         }
@@ -237,8 +299,11 @@ class Server final : public RequestHandler {
       case Op::clock:
       case Op::join:
       case Op::leave:
-        tick(r);
+        tick_clock(r);
         advance();
+        break;
+      case Op::fail:
+        lose(r.worker, r.reason);
         break;
       case Op::barrier:
         barrier_.push_back(std::move(r));
@@ -251,32 +316,58 @@ class Server final : public RequestHandler {
     r.finish();  // last: an error above finishes the request once, in handle()
   }
 
+  bool may_pull(const Request& r) const {
+    for (const Item& item : r.items) {
+      const ShardState& s = *shards_[item.variable][item.shard];
+      const WorkerView& wv = s.workers[r.worker];
+      if (!sync_.may_pull(PullInfo{r.worker, r.clock, wv.has_pushed, wv.pushed_step}, s.progress(),
+                          server_clock()))
+        return false;
+    }
+    return true;
+  }
+
   void answer_pull(const Request& r) {
     const bool rows = r.op == Op::pull_rows;
     count(pulls_);
     for (const Item& item : r.items) {
-      count(bytes_out_, (rows ? item.ids.size() * shard_for(r, item).width() : item.out.size()) * sizeof(float));
       ShardState& s = shard_for(r, item);
+      const std::size_t width = s.width();
+      const bool compensating = r.op != Op::read && compensates(s);
+      count(bytes_out_, (rows ? item.ids.size() * width : item.out.size()) * sizeof(float));
+      if (r.op != Op::read) {
+        WorkerView& wv = s.workers[r.worker];
+        wv.pulled_version = s.version;
+        wv.pulled_step = s.applied_steps;
+        if (compensating && wv.pulled.empty()) wv.pulled.assign(s.params.size(), 0.0f);
+      }
       if (!rows) {
         std::memcpy(item.out.data(), s.params.data(), s.params.size() * sizeof(float));
+        if (compensating) std::memcpy(s.workers[r.worker].pulled.data(), s.params.data(), s.params.size() * sizeof(float));
         continue;
       }
-      const std::size_t width = s.width();
       const float* base = s.params.data();
       const std::size_t first = s.shard.row_begin;
-      if (item.positions.empty()) {
-        for (std::size_t j = 0; j < item.ids.size(); ++j)
-          detail::copy_floats(item.out.data() + j * width, base + (item.ids[j] - first) * width, width);
-      } else {
-        for (std::size_t j = 0; j < item.ids.size(); ++j)
-          detail::copy_floats(item.out.data() + item.positions[j] * width, base + (item.ids[j] - first) * width, width);
+      for (std::size_t j = 0; j < item.ids.size(); ++j) {
+        const std::size_t pos = item.positions.empty() ? j : item.positions[j];
+        const std::size_t at = (item.ids[j] - first) * width;
+        detail::copy_floats(item.out.data() + pos * width, base + at, width);
+        if (compensating) detail::copy_floats(s.workers[r.worker].pulled.data() + at, base + at, width);
       }
+    }
+  }
+
+  bool compensates(const ShardState& s) const {
+    if constexpr (detail::has_compensation<SyncStateT>) {
+      return sync_.compensates(s.var->meta);
+    } else {
+      (void)s;
+      return false;
     }
   }
 
   void push(const Request& r) {
     const bool rows = r.op == Op::push_rows;
-    count(pushes_);
     // Decide every item first, so a refused request changes nothing.
     std::vector<PushAction> actions;
     actions.reserve(r.items.size());
@@ -284,43 +375,84 @@ class Server final : public RequestHandler {
       ShardState& s = checked(r, item, rows, true);
       if (!s.var->trainable)
         throw frozen_variable("psx: " + where(r) + ": variable '" + s.var->meta.name + "' is not trainable");
-      actions.push_back(sync_.on_push({r.worker, r.clock, &s.var->meta}, server_clock()));
-      if (actions.back().kind == PushAction::Kind::reject)
+      const WorkerView& wv = s.workers[r.worker];
+      const PushAction a = sync_.on_push(PushInfo{r.worker, r.clock, wv.pulled_version, wv.pulled_step, &s.var->meta},
+                                         s.progress(), server_clock());
+      if (a.kind == PushAction::Kind::reject)
         throw sync_error("psx: " + where(r) + ": the sync policy refused a push to '" + s.var->meta.name +
-                         "' stamped with step " + std::to_string(r.clock) + " (server has applied " +
-                         std::to_string(applied_) + " steps)");
+                         "' stamped with step " + std::to_string(r.clock) + " (the shard has applied " +
+                         std::to_string(s.applied_steps) + " steps)");
+      if (a.kind == PushAction::Kind::aggregate && a.step < s.applied_steps)
+        throw sync_error("psx: " + where(r) + ": the sync policy aggregated a push to '" + s.var->meta.name +
+                         "' into step " + std::to_string(a.step) + ", which the shard has already applied (" +
+                         std::to_string(s.applied_steps) + " steps)");
+      actions.push_back(a);
     }
+    count(pushes_);
     for (std::size_t i = 0; i < r.items.size(); ++i) {
       const Item& item = r.items[i];
       ShardState& s = shard_for(r, item);
+      WorkerView& wv = s.workers[r.worker];
       count(bytes_in_, (rows ? item.ids.size() * s.width() : item.in.size()) * sizeof(float));
-      if (actions[i].kind == PushAction::Kind::apply) {
-        if (rows) {
-          scratch_rows(s, item);
-          apply_rows(s, scratch_, actions[i].lr_scale);
-        } else {
-          apply_dense(s, item.in, actions[i].lr_scale);
+      switch (actions[i].kind) {
+        case PushAction::Kind::apply:
+          record_staleness(s.version, wv.pulled_version);
+          if (rows) {
+            scratch_rows(s, item);
+            if (compensates(s) && !wv.pulled.empty()) compensate_rows(s, scratch_, wv.pulled);
+            apply_rows(s, scratch_, actions[i].lr_scale);
+          } else if (compensates(s) && !wv.pulled.empty()) {
+            compensated_.assign(item.in.begin(), item.in.end());
+            compensate_span(s, compensated_, s.params, wv.pulled);
+            apply_dense(s, compensated_, actions[i].lr_scale);
+          } else {
+            apply_dense(s, item.in, actions[i].lr_scale);
+          }
+          break;
+        case PushAction::Kind::drop:
+          count(dropped_);
+          wv.has_pushed = true;
+          wv.pushed_step = wv.pulled_step;
+          break;
+        case PushAction::Kind::aggregate: {
+          wv.has_pushed = true;
+          wv.pushed_step = actions[i].step;
+          auto& by_worker = s.pending[actions[i].step];
+          if (by_worker.empty()) by_worker.resize(clocks_.size());
+          detail::Contribution& c = by_worker[r.worker];
+          if (!c.present) {
+            c.present = true;
+            c.pulled_version = wv.pulled_version;
+            c.rows = detail::RowAccumulator(s.width());
+          }
+          if (rows) {
+            add_rows(s, c, item);
+          } else if (c.dense.empty()) {
+            c.dense.assign(item.in.begin(), item.in.end());
+            if (!c.rows.empty()) scatter_add(s, c.dense, c.rows);  // rows came first: fold them in
+            c.rows.clear();
+          } else {
+            for (std::size_t k = 0; k < c.dense.size(); ++k) c.dense[k] += item.in[k];
+          }
+          break;
         }
-        continue;
+        case PushAction::Kind::reject: break;  // refused above
       }
-      auto& by_worker = s.pending[r.clock];
-      if (by_worker.empty()) by_worker.resize(clocks_.size());
-      detail::Contribution& c = by_worker[r.worker];
-      if (!c.present) {
-        c.present = true;
-        c.rows = detail::RowAccumulator(s.width());
-      }
-      if (rows) {
-        add_rows(s, c, item);
-      } else {
-        if (c.dense.empty()) {
-          c.dense.assign(item.in.begin(), item.in.end());
-          if (!c.rows.empty()) scatter_add(s, c.dense, c.rows);  // rows came first: fold them in
-          c.rows.clear();
-        } else {
-          for (std::size_t k = 0; k < c.dense.size(); ++k) c.dense[k] += item.in[k];
-        }
-      }
+    }
+  }
+
+  void compensate_span(const ShardState& s, std::span<float> g, std::span<const float> now,
+                       std::span<const float> pulled) const {
+    if constexpr (detail::has_compensation<SyncStateT>) sync_.compensate(s.var->meta, g, now, pulled);
+  }
+
+  void compensate_rows(const ShardState& s, detail::RowAccumulator& rows, const std::vector<float>& pulled) const {
+    const std::size_t width = s.width();
+    for (std::size_t k = 0; k < rows.rows().size(); ++k) {
+      const std::size_t at = rows.rows()[k] * width;
+      compensate_span(s, std::span<float>(rows.data().data() + k * width, width),
+                      std::span<const float>(s.params.data() + at, width),
+                      std::span<const float>(pulled.data() + at, width));
     }
   }
 
@@ -358,12 +490,12 @@ class Server final : public RequestHandler {
   }
 
   void apply_dense(ShardState& s, std::span<const float> g, float lr_scale) {
-    const UpdateContext ctx{++s.updates, lr_scale, &s.var->meta};
+    const UpdateContext ctx{++s.version, lr_scale, &s.var->meta};
     optimizer_.update(s.params, g, s.slot_view(0, s.params.size()), ctx);
   }
 
   void apply_rows(ShardState& s, const detail::RowAccumulator& rows, float lr_scale) {
-    const UpdateContext ctx{++s.updates, lr_scale, &s.var->meta};
+    const UpdateContext ctx{++s.version, lr_scale, &s.var->meta};
     const std::size_t width = s.width();
     for (std::size_t k = 0; k < rows.rows().size(); ++k) {
       const std::size_t offset = rows.rows()[k] * width;
@@ -372,74 +504,122 @@ class Server final : public RequestHandler {
     }
   }
 
-  // Applies the aggregate of `step` to every shard that received pushes for it.
-  void apply_step(std::uint64_t step) {
-    for (auto& per_var : shards_) {
-      for (auto& sp : per_var) {
-        if (!sp) continue;
-        ShardState& s = *sp;
-        auto it = s.pending.find(step);
-        if (it == s.pending.end()) continue;
-        std::vector<detail::Contribution>& by_worker = it->second;
-        std::size_t contributors = 0;
-        bool any_dense = false;
-        for (const auto& c : by_worker) {
-          contributors += c.present;
-          any_dense = any_dense || !c.dense.empty();
-        }
-        if (any_dense) {
-          // Sum in worker order; a worker that pushed rows only adds them where they are.
-          std::vector<float> sum;
-          for (auto& c : by_worker) {
-            if (!c.present) continue;
-            if (sum.empty() && !c.dense.empty()) {
-              sum = std::move(c.dense);
-            } else if (sum.empty()) {
-              sum.assign(s.params.size(), 0.0f);
-              scatter_add(s, sum, c.rows);
-            } else if (!c.dense.empty()) {
-              for (std::size_t k = 0; k < sum.size(); ++k) sum[k] += c.dense[k];
-            } else {
-              scatter_add(s, sum, c.rows);
-            }
-          }
-          sync_.finish(sum, contributors);
-          apply_dense(s, sum, 1.0f);
-        } else {
-          detail::RowAccumulator sum(s.width());
-          for (auto& c : by_worker)
-            for (std::size_t k = 0; k < c.rows.rows().size(); ++k) sum.add(c.rows.rows()[k], c.rows.row_data(k));
-          sync_.finish(sum.data(), contributors);
-          apply_rows(s, sum, 1.0f);
-        }
-        s.pending.erase(it);
-      }
+  // Applies the aggregate of `step` to shard `s`: the contributions summed in
+  // worker order, finished by the policy (a mean divides).
+  void apply_step(ShardState& s, std::uint64_t step) {
+    auto it = s.pending.find(step);
+    count(steps_);
+    if (it == s.pending.end()) return;
+    std::vector<detail::Contribution>& by_worker = it->second;
+    std::size_t contributors = 0;
+    bool any_dense = false;
+    for (const auto& c : by_worker) {
+      contributors += c.present;
+      any_dense = any_dense || !c.dense.empty();
+      if (c.present) record_staleness(s.version, c.pulled_version);
     }
+    if (any_dense) {
+      // Sum in worker order; a worker that pushed rows only adds them where they are.
+      std::vector<float> sum;
+      for (auto& c : by_worker) {
+        if (!c.present) continue;
+        if (sum.empty() && !c.dense.empty()) {
+          sum = std::move(c.dense);
+        } else if (sum.empty()) {
+          sum.assign(s.params.size(), 0.0f);
+          scatter_add(s, sum, c.rows);
+        } else if (!c.dense.empty()) {
+          for (std::size_t k = 0; k < sum.size(); ++k) sum[k] += c.dense[k];
+        } else {
+          scatter_add(s, sum, c.rows);
+        }
+      }
+      sync_.finish(sum, contributors, s.progress(), server_clock());
+      apply_dense(s, sum, 1.0f);
+    } else {
+      detail::RowAccumulator sum(s.width());
+      for (auto& c : by_worker)
+        for (std::size_t k = 0; k < c.rows.rows().size(); ++k) sum.add(c.rows.rows()[k], c.rows.row_data(k));
+      sync_.finish(sum.data(), contributors, s.progress(), server_clock());
+      apply_rows(s, sum, 1.0f);
+    }
+    s.pending.erase(it);
   }
 
-  void tick(const Request& r) {
-    if (r.op == Op::leave) departed_[r.worker] = true;
-    if (r.op == Op::join) departed_[r.worker] = false;
+  void tick_clock(const Request& r) {
+    if (r.op == Op::leave && gone_[r.worker] == Gone::no) gone_[r.worker] = Gone::left;
+    if (r.op == Op::join) gone_[r.worker] = Gone::no;
     if (r.op != Op::leave) clocks_[r.worker] = std::max(clocks_[r.worker], r.clock);
-    // A departed worker no longer holds back the slowest clock.
+    recount();
+    release_barrier();
+  }
+
+  void recount() noexcept {
     std::uint64_t lo = std::numeric_limits<std::uint64_t>::max();
     max_clock_ = 0;
+    live_ = 0;
     for (std::size_t w = 0; w < clocks_.size(); ++w) {
       max_clock_ = std::max(max_clock_, clocks_[w]);
-      if (!departed_[w]) lo = std::min(lo, clocks_[w]);
+      if (gone_[w] != Gone::no) continue;
+      ++live_;
+      lo = std::min(lo, clocks_[w]);
     }
-    min_clock_ = lo;
+    // With nobody left training, every clock that was reached is complete.
+    min_clock_ = live_ ? lo : max_clock_;
+  }
+
+  // A worker failed or went silent: the sync policy decides whether training
+  // goes on without it.
+  void lose(std::size_t w, const std::string& reason) {
+    if (gone_[w] != Gone::no) return;
+    const OnWorkerLost outcome = sync_.on_worker_lost(w, server_clock());
+    gone_[w] = Gone::lost;
+    recount();
+    if (outcome == OnWorkerLost::fail) {
+      failure_ = std::make_exception_ptr(peer_lost("psx: server " + std::to_string(index_) + ": worker " +
+                                                   std::to_string(w) + " was lost (" + reason +
+                                                   "); the sync policy does not continue without it"));
+      fail_waiting(failure_);
+      return;
+    }
     release_barrier();
+    advance();
+  }
+
+  void fail_waiting(const std::exception_ptr& error) noexcept {
+    for (Request& r : parked_) r.finish(error);
+    for (Request& r : barrier_) r.finish(error);
+    parked_.clear();
+    barrier_.clear();
   }
 
   // Applies every step the policy lets through, then retries kept pulls.
   void advance() {
-    const std::uint64_t before = applied_;
-    while (applied_ < max_clock_ && sync_.step_complete(applied_, server_clock())) apply_step(applied_++);
-    if (applied_ == before && parked_.empty()) return;
+    for (auto& per_var : shards_) {
+      for (auto& sp : per_var) {
+        if (!sp) continue;
+        ShardState& s = *sp;
+        for (;;) {
+          auto it = s.pending.find(s.applied_steps);
+          StepProgress step{s.applied_steps, 0, 0};
+          if (it != s.pending.end())
+            for (std::size_t w = 0; w < it->second.size(); ++w) {
+              step.contributors += it->second[w].present;
+              step.live_contributors += it->second[w].present && gone_[w] == Gone::no;
+            }
+          // No step beyond every worker's clock completes without gradients:
+          // this bounds the loop whatever the policy answers.
+          if (step.contributors == 0 && s.applied_steps >= max_clock_) break;
+          if (!sync_.step_complete(step, s.progress(), server_clock())) break;
+          apply_step(s, s.applied_steps);
+          ++s.applied_steps;
+        }
+      }
+    }
+    if (parked_.empty()) return;
     std::deque<Request> still;
     for (Request& r : parked_) {
-      if (sync_.may_pull(r.worker, r.clock, server_clock())) {
+      if (may_pull(r)) {
         answer_pull(r);
         r.finish();
       } else {
@@ -450,31 +630,31 @@ class Server final : public RequestHandler {
   }
 
   void release_barrier() {
-    const auto live = static_cast<std::size_t>(std::count(departed_.begin(), departed_.end(), false));
-    if (barrier_.empty() || barrier_.size() < live) return;
+    if (barrier_.empty() || barrier_.size() < live_) return;
     for (Request& r : barrier_) r.finish();
     barrier_.clear();
   }
 
-  // Only the server thread writes the counters; a plain load + store keeps
-  // the hot path free of locked instructions.
-  static void count(std::atomic<std::uint64_t>& a, std::uint64_t n = 1) noexcept {
-    a.store(a.load(std::memory_order_relaxed) + n, std::memory_order_relaxed);
-  }
-
   std::size_t index_;
-  std::atomic<std::uint64_t> requests_{0}, pulls_{0}, pushes_{0}, bytes_in_{0}, bytes_out_{0}, errors_{0};
+  std::atomic<std::uint64_t> requests_{0}, pulls_{0}, pushes_{0}, bytes_in_{0}, bytes_out_{0}, errors_{0},
+      dropped_{0}, steps_{0};
+  std::array<std::atomic<std::uint64_t>, staleness_buckets> staleness_{};
   SyncStateT sync_;
   O optimizer_;
+  std::chrono::milliseconds peer_timeout_;
   std::vector<std::vector<std::unique_ptr<ShardState>>> shards_;  // [variable][shard]; null where not ours
   std::vector<std::uint64_t> clocks_;
-  std::vector<bool> departed_;
+  std::vector<Gone> gone_;
+  std::vector<time_point> last_seen_;
+  time_point last_tick_ = clock_type::now();
   std::uint64_t min_clock_ = 0;
   std::uint64_t max_clock_ = 0;
-  std::uint64_t applied_ = 0;
+  std::size_t live_ = 0;
+  std::exception_ptr failure_;
   std::deque<Request> parked_;
   std::vector<Request> barrier_;
   detail::RowAccumulator scratch_;
+  std::vector<float> compensated_;
 };
 
 }  // namespace v0

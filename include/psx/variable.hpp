@@ -129,18 +129,20 @@ struct VariableSpec {
   //! A frozen variable (`false`) is served but never updated; pushing to it throws.
   bool trainable = true;
   DType dtype = DType::float32;
+  //! A free-form group a sync policy may route on (see `sync::Hybrid`).
+  std::string sync_group = {};
 };
 
 //! A dense variable.
 inline VariableSpec dense(std::string name, std::vector<std::size_t> shape,
                           Initializer init = Initializer::zeros(), bool trainable = true) {
-  return {std::move(name), std::move(shape), VariableKind::dense, init, trainable, DType::float32};
+  return {std::move(name), std::move(shape), VariableKind::dense, init, trainable, DType::float32, {}};
 }
 
 //! A sparse variable (embedding table) of `rows` rows of `dim` floats.
 inline VariableSpec sparse(std::string name, std::size_t rows, std::size_t dim,
                            Initializer init = Initializer::zeros(), bool trainable = true) {
-  return {std::move(name), {rows, dim}, VariableKind::sparse, init, trainable, DType::float32};
+  return {std::move(name), {rows, dim}, VariableKind::sparse, init, trainable, DType::float32, {}};
 }
 
 //! What a partitioner sees of a variable.
@@ -148,6 +150,8 @@ struct VariableMeta {
   std::string name;
   std::vector<std::size_t> shape;
   VariableKind kind = VariableKind::dense;
+  //! From `VariableSpec::sync_group`.
+  std::string sync_group;
   //! Declaration order, 0-based.
   std::uint32_t id = 0;
   std::size_t rows = 0;
@@ -211,6 +215,7 @@ inline VariableMeta make_meta(const VariableSpec& spec, std::uint32_t id) {
   m.name = spec.name;
   m.shape = spec.shape;
   m.kind = spec.kind;
+  m.sync_group = spec.sync_group;
   m.id = id;
   m.rows = spec.shape.empty() ? 1 : spec.shape[0];
   m.row_width = total / m.rows;

@@ -17,12 +17,15 @@ struct Partitioner {
 
 struct Sync {
   struct State {
-    psx::PushAction on_push(const psx::PushInfo&, const psx::ServerClock&) { return {}; }
+    psx::PushAction on_push(const psx::PushInfo&, const psx::ShardProgress&, const psx::ServerClock&) { return {}; }
 #if PSX_BREAK != 2
-    bool may_pull(std::size_t, std::uint64_t, const psx::ServerClock&) const { return true; }
+    bool may_pull(const psx::PullInfo&, const psx::ShardProgress&, const psx::ServerClock&) const { return true; }
 #endif
-    bool step_complete(std::uint64_t, const psx::ServerClock&) const { return true; }
-    void finish(std::span<float>, std::size_t) const {}
+    bool step_complete(const psx::StepProgress&, const psx::ShardProgress&, const psx::ServerClock&) const {
+      return false;
+    }
+    void finish(std::span<float>, std::size_t, const psx::ShardProgress&, const psx::ServerClock&) const {}
+    psx::OnWorkerLost on_worker_lost(std::size_t, const psx::ServerClock&) const { return psx::OnWorkerLost::shrink; }
   };
   State make_state(std::size_t) const { return {}; }
 };

@@ -378,20 +378,26 @@ TEST_CASE("workers with unequal step counts finish") {
   CHECK(ps.read("x")[0] < 0.0f);
 }
 
-TEST_CASE("a worker that throws stops the cluster; its exception reaches run()") {
+TEST_CASE("a worker that throws under Synchronous fails the others with peer_lost; run() rethrows its exception") {
   Watchdog dog("worker failure");
   psx::ParameterServer<> ps({2, 4}, {}, {}, {0.1f});
   ps.declare(psx::dense("x", {4}));
-  CHECK_THROWS_WITH_AS(ps.run([](psx::Worker& w) {
+  std::atomic<int> lost{0};
+  CHECK_THROWS_WITH_AS(ps.run([&](psx::Worker& w) {
     std::vector<float> x(4), g(4, 1.0f);
-    for (int t = 0; t < 10; ++t) {
-      if (w.index() == 2 && t == 3) throw std::runtime_error("boom");
-      w.pull("x", x);  // the others block here waiting for worker 2
-      w.push("x", g);
-      w.step();
+    try {
+      for (int t = 0; t < 10; ++t) {
+        if (w.index() == 2 && t == 3) throw std::runtime_error("boom");
+        w.pull("x", x);  // the others end up waiting here for worker 2
+        w.push("x", g);
+        w.step();
+      }
+    } catch (const psx::peer_lost& e) {
+      if (std::string(e.what()).find("worker 2 was lost (its function threw: boom)") != std::string::npos) ++lost;
+      throw;
     }
   }), "boom", std::runtime_error);
-  CHECK_FALSE(ps.running());
+  CHECK(lost.load() == 3);
 }
 
 TEST_CASE("shutdown releases a worker blocked in a pull") {

@@ -15,10 +15,13 @@ struct AllOnServerZero {
 };
 struct ApplyOnArrival {
   struct State {
-    psx::PushAction on_push(const psx::PushInfo&, const psx::ServerClock&) { return {}; }
-    bool may_pull(std::size_t, std::uint64_t, const psx::ServerClock&) const { return true; }
-    bool step_complete(std::uint64_t, const psx::ServerClock&) const { return true; }
-    void finish(std::span<float>, std::size_t) const {}
+    psx::PushAction on_push(const psx::PushInfo&, const psx::ShardProgress&, const psx::ServerClock&) { return {}; }
+    bool may_pull(const psx::PullInfo&, const psx::ShardProgress&, const psx::ServerClock&) const { return true; }
+    bool step_complete(const psx::StepProgress&, const psx::ShardProgress&, const psx::ServerClock&) const {
+      return false;
+    }
+    void finish(std::span<float>, std::size_t, const psx::ShardProgress&, const psx::ServerClock&) const {}
+    psx::OnWorkerLost on_worker_lost(std::size_t, const psx::ServerClock&) const { return psx::OnWorkerLost::shrink; }
   };
   State make_state(std::size_t) const { return {}; }
 };
@@ -36,6 +39,11 @@ static_assert(psx::Partitioner<psx::partition::RoundRobin>);
 static_assert(psx::Partitioner<psx::partition::RowRange>);
 static_assert(psx::SyncPolicy<psx::sync::Synchronous>);
 static_assert(psx::SyncPolicy<psx::sync::Asynchronous>);
+static_assert(psx::SyncPolicy<psx::sync::BoundedStaleness<0>>);
+static_assert(psx::SyncPolicy<psx::sync::BoundedStaleness<psx::sync::unbounded>>);
+static_assert(psx::SyncPolicy<psx::sync::SyncReplicas<3>>);
+static_assert(psx::SyncPolicy<psx::sync::Hybrid<psx::sync::Synchronous, psx::sync::Asynchronous>>);
+static_assert(psx::detail::has_compensation<psx::sync::Asynchronous::State>);
 static_assert(psx::Optimizer<psx::optim::SGD>);
 static_assert(psx::Transport<psx::transport::InProcess>);
 static_assert(psx::Link<psx::transport::InProcess::link_type>);
@@ -64,23 +72,41 @@ static_assert(!psx::Partitioner<NotCopyable>);
 struct NoMakeState {};
 struct StateWithoutMayPull {
   struct State {
-    psx::PushAction on_push(const psx::PushInfo&, const psx::ServerClock&) { return {}; }
-    bool step_complete(std::uint64_t, const psx::ServerClock&) const { return true; }
-    void finish(std::span<float>, std::size_t) const {}
+    psx::PushAction on_push(const psx::PushInfo&, const psx::ShardProgress&, const psx::ServerClock&) { return {}; }
+    bool step_complete(const psx::StepProgress&, const psx::ShardProgress&, const psx::ServerClock&) const {
+      return false;
+    }
+    void finish(std::span<float>, std::size_t, const psx::ShardProgress&, const psx::ServerClock&) const {}
+    psx::OnWorkerLost on_worker_lost(std::size_t, const psx::ServerClock&) const { return psx::OnWorkerLost::fail; }
   };
   State make_state(std::size_t) const { return {}; }
 };
 struct StateWithoutFinish {
   struct State {
-    psx::PushAction on_push(const psx::PushInfo&, const psx::ServerClock&) { return {}; }
-    bool may_pull(std::size_t, std::uint64_t, const psx::ServerClock&) const { return true; }
-    bool step_complete(std::uint64_t, const psx::ServerClock&) const { return true; }
+    psx::PushAction on_push(const psx::PushInfo&, const psx::ShardProgress&, const psx::ServerClock&) { return {}; }
+    bool may_pull(const psx::PullInfo&, const psx::ShardProgress&, const psx::ServerClock&) const { return true; }
+    bool step_complete(const psx::StepProgress&, const psx::ShardProgress&, const psx::ServerClock&) const {
+      return false;
+    }
+    psx::OnWorkerLost on_worker_lost(std::size_t, const psx::ServerClock&) const { return psx::OnWorkerLost::fail; }
+  };
+  State make_state(std::size_t) const { return {}; }
+};
+struct StateWithoutLossRule {
+  struct State {
+    psx::PushAction on_push(const psx::PushInfo&, const psx::ShardProgress&, const psx::ServerClock&) { return {}; }
+    bool may_pull(const psx::PullInfo&, const psx::ShardProgress&, const psx::ServerClock&) const { return true; }
+    bool step_complete(const psx::StepProgress&, const psx::ShardProgress&, const psx::ServerClock&) const {
+      return false;
+    }
+    void finish(std::span<float>, std::size_t, const psx::ShardProgress&, const psx::ServerClock&) const {}
   };
   State make_state(std::size_t) const { return {}; }
 };
 static_assert(!psx::SyncPolicy<NoMakeState>);
 static_assert(!psx::SyncPolicy<StateWithoutMayPull>);
 static_assert(!psx::SyncPolicy<StateWithoutFinish>);
+static_assert(!psx::SyncPolicy<StateWithoutLossRule>);
 static_assert(!psx::SyncState<StateWithoutMayPull::State>);
 
 struct NoSlots {

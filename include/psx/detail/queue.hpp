@@ -37,6 +37,27 @@ class ClosableQueue {
     return value;
   }
 
+  //! Like `pop`, but gives up at `deadline`: empty then too (check `closed()`).
+  template <class TimePoint>
+  std::optional<T> pop_until(TimePoint deadline) {
+    std::unique_lock lock(mu_);
+    auto ready = [&] { return closed_ || !items_.empty(); };
+    if (deadline == TimePoint::max()) {
+      cv_.wait(lock, ready);  // max() would overflow the timed wait's conversion
+    } else {
+      cv_.wait_until(lock, deadline, ready);
+    }
+    if (closed_ || items_.empty()) return std::nullopt;
+    T value = std::move(items_.front());
+    items_.pop_front();
+    return value;
+  }
+
+  bool closed() const {
+    std::lock_guard lock(mu_);
+    return closed_;
+  }
+
   //! Closes the queue; later pushes fail and `pop` returns empty.
   void close() noexcept {
     {
@@ -53,7 +74,7 @@ class ClosableQueue {
   }
 
  private:
-  std::mutex mu_;
+  mutable std::mutex mu_;
   std::condition_variable cv_;
   std::deque<T> items_;
   bool closed_ = false;

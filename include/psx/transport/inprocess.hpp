@@ -35,7 +35,16 @@ struct InProcess {
 
     void serve(std::size_t server, RequestHandler& handler) {
       auto& inbox = inboxes_.at(server);
-      while (auto r = inbox.pop()) handler.handle(std::move(*r));
+      for (;;) {
+        auto r = inbox.pop_until(handler.next_tick());
+        if (r) {
+          handler.handle(std::move(*r));
+        } else if (inbox.closed()) {
+          break;
+        }
+        const auto now = RequestHandler::clock_type::now();
+        if (now >= handler.next_tick()) handler.tick(now);
+      }
       auto error = std::make_exception_ptr(
           shutdown_error("psx: server " + std::to_string(server) + " shut down before answering"));
       for (Request& left : inbox.take_all()) left.finish(error);

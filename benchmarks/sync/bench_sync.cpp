@@ -1,0 +1,122 @@
+// bench_sync: step throughput and barrier latency of each sync policy for 1,
+// 2, 4 and 8 workers (2 servers, in-process), next to a no-sync baseline in
+// the same run: the same per-step work (copy a 64 KiB variable in, apply a
+// gradient to it) on a private array per thread, with no server at all.
+//
+//   ./bench_sync [steps]
+#include <psx/psx.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+constexpr std::size_t kFloats = 16 * 1024;  // 64 KiB, split by rows over 2 servers
+constexpr std::size_t kBarriers = 200;
+
+struct Result {
+  double steps_per_s;  // worker-steps per second, all workers together
+  double barrier_us;   // mean time of one barrier
+};
+
+template <class Sync>
+Result measure(std::size_t workers, std::size_t steps) {
+  psx::ParameterServer<psx::partition::RowRange, Sync, psx::optim::SGD> ps({2, workers}, {}, Sync{}, {1e-6f});
+  ps.declare(psx::dense("x", {kFloats / 16, 16}));
+  ps.start();
+  const auto start = Clock::now();
+  ps.run([&](psx::Worker& w) {
+    std::vector<float> x(kFloats), g(kFloats, 1.0f);
+    for (std::size_t t = 0; t < steps; ++t) {
+      w.pull("x", x);
+      w.push("x", g);
+      w.step();
+    }
+  });
+  const double train_s = std::chrono::duration<double>(Clock::now() - start).count();
+  double barrier_s = 0;
+  ps.run([&](psx::Worker& w) {
+    w.barrier();  // line up before timing
+    const auto b0 = Clock::now();
+    for (std::size_t i = 0; i < kBarriers; ++i) w.barrier();
+    if (w.is_chief()) barrier_s = std::chrono::duration<double>(Clock::now() - b0).count();
+  });
+  return {static_cast<double>(workers * steps) / train_s, barrier_s / kBarriers * 1e6};
+}
+
+// The same work with no synchronization: each thread copies its own 64 KiB
+// "pull" and applies its own gradient.
+Result baseline(std::size_t workers, std::size_t steps) {
+  const auto start = Clock::now();
+  std::vector<std::thread> threads;
+  for (std::size_t w = 0; w < workers; ++w)
+    threads.emplace_back([&] {
+      std::vector<float> server(kFloats, 0.5f), x(kFloats), g(kFloats, 1.0f);
+      for (std::size_t t = 0; t < steps; ++t) {
+        std::memcpy(x.data(), server.data(), kFloats * sizeof(float));
+        for (std::size_t i = 0; i < kFloats; ++i) server[i] -= 1e-6f * g[i];
+      }
+      volatile float sink = x[kFloats / 2];
+      (void)sink;
+    });
+  for (auto& t : threads) t.join();
+  const double s = std::chrono::duration<double>(Clock::now() - start).count();
+  return {static_cast<double>(workers * steps) / s, 0.0};
+}
+
+// SyncReplicas aggregates N-1 of N gradients (one backup worker), M >= 1.
+Result sync_replicas(std::size_t workers, std::size_t steps) {
+  switch (workers) {
+    case 1: return measure<psx::sync::SyncReplicas<1>>(1, steps);
+    case 2: return measure<psx::sync::SyncReplicas<1>>(2, steps);
+    case 4: return measure<psx::sync::SyncReplicas<3>>(4, steps);
+    default: return measure<psx::sync::SyncReplicas<7>>(8, steps);
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const std::size_t steps = argc > 1 ? std::strtoul(argv[1], nullptr, 10) : 300;
+  const std::size_t counts[] = {1, 2, 4, 8};
+  struct Row {
+    std::string name;
+    Result (*run)(std::size_t, std::size_t);
+  };
+  const Row rows[] = {
+      {"no-sync baseline (no server)", baseline},
+      {"Asynchronous", measure<psx::sync::Asynchronous>},
+      {"Synchronous (BSP)", measure<psx::sync::Synchronous>},
+      {"BoundedStaleness<2> (SSP)", measure<psx::sync::BoundedStaleness<2>>},
+      {"SyncReplicas<N-1> (1 backup)", sync_replicas},
+  };
+  std::vector<std::vector<Result>> results;
+  for (const Row& row : rows) {
+    results.emplace_back();
+    for (std::size_t n : counts) results.back().push_back(row.run(n, steps));
+  }
+
+  std::printf("psx sync policies: %zu steps per worker, each a pull and a push of 64 KiB on 2 servers "
+              "(in-process), %u hardware threads\n\n", steps, std::thread::hardware_concurrency());
+  std::printf("step throughput, worker-steps/s (all workers together)\n");
+  std::printf("%-30s %10s %10s %10s %10s\n", "policy", "1 worker", "2", "4", "8");
+  for (std::size_t r = 0; r < std::size(rows); ++r) {
+    std::printf("%-30s", rows[r].name.c_str());
+    for (const Result& res : results[r]) std::printf(" %10.0f", res.steps_per_s);
+    std::printf("\n");
+  }
+  std::printf("\nbarrier latency, microseconds per barrier (every worker calls it; served by server 0)\n");
+  std::printf("%-30s %10s %10s %10s %10s\n", "policy", "1 worker", "2", "4", "8");
+  for (std::size_t r = 1; r < std::size(rows); ++r) {
+    std::printf("%-30s", rows[r].name.c_str());
+    for (const Result& res : results[r]) std::printf(" %10.1f", res.barrier_us);
+    std::printf("\n");
+  }
+}

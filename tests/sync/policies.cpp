@@ -1,0 +1,446 @@
+// Tests of psx/sync.hpp against each policy's definition: BSP = SSP(0) bit
+// for bit, the SSP staleness bound under adversarial scheduling, SyncReplicas
+// with stalled and late workers, ASP progress, delay compensation, Hybrid
+// routing, convergence of every policy, and the outcome of a lost worker.
+#include "../support.hpp"
+
+#include <psx/psx.hpp>
+
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <future>
+#include <random>
+#include <stdexcept>
+#include <thread>
+#include <vector>
+
+using psx_test::message_of;
+using psx_test::Watchdog;
+using namespace std::chrono_literals;
+
+namespace {
+
+bool bit_equal(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+// 4 workers, 2 servers, a dense and a sparse variable; gradients depend on
+// what each worker reads, so any difference in reads shows in the result.
+template <class Sync>
+std::pair<std::vector<float>, std::vector<float>> train_small(Sync sync) {
+  psx::ParameterServer<psx::partition::RowRange, Sync, psx::optim::SGD> ps({2, 4}, {}, sync, {0.05f});
+  ps.declare(psx::dense("w", {12, 3}, psx::Initializer::normal(0, 1, 1)));
+  ps.declare(psx::sparse("e", 40, 4, psx::Initializer::uniform(-1, 1, 2)));
+  ps.run([](psx::Worker& w) {
+    std::vector<float> wv(36), gw(36);
+    for (std::size_t t = 0; t < 8; ++t) {
+      std::mt19937_64 rng(100 * w.index() + t);
+      std::vector<std::uint64_t> ids(6);
+      for (auto& id : ids) id = rng() % 40;
+      std::vector<float> rows(ids.size() * 4), grows(rows.size());
+      w.pull("w", wv);
+      w.pull_rows("e", ids, rows);
+      for (std::size_t i = 0; i < wv.size(); ++i) gw[i] = std::sin(wv[i] * static_cast<float>(w.index() + 1) + static_cast<float>(t));
+      for (std::size_t i = 0; i < rows.size(); ++i) grows[i] = std::cos(rows[i] + static_cast<float>(i % 7));
+      w.push("w", gw);
+      w.push_rows("e", ids, grows);
+      w.step();
+    }
+  });
+  return {ps.read("w"), ps.read("e")};
+}
+
+// Largest staleness with a count, or -1 when nothing was recorded.
+int max_staleness(const psx::ServerStats& st) {
+  int top = -1;
+  for (std::size_t k = 0; k < st.staleness.size(); ++k)
+    if (st.staleness[k] > 0) top = static_cast<int>(k);
+  return top;
+}
+
+}  // namespace
+
+TEST_CASE("BSP and SSP with K = 0 give bit-identical parameters") {
+  Watchdog dog("bsp vs ssp0");
+  for (auto aggregate : {psx::sync::Aggregate::mean, psx::sync::Aggregate::sum}) {
+    const auto bsp = train_small(psx::sync::Synchronous{aggregate});
+    const auto ssp = train_small(psx::sync::BoundedStaleness<0>{aggregate});
+    CHECK(bit_equal(bsp.first, ssp.first));
+    CHECK(bit_equal(bsp.second, ssp.second));
+  }
+}
+
+TEST_CASE("SSP: under a random straggler, staleness never exceeds K and reaches K") {
+  Watchdog dog("ssp staleness", 120s);
+  constexpr std::size_t K = 2;
+  std::uint64_t at_bound = 0;
+  for (std::uint64_t seed = 1; seed <= 6; ++seed) {
+    psx::ParameterServer<psx::partition::RowRange, psx::sync::BoundedStaleness<K>> ps({2, 4}, {}, {}, {0.01f});
+    ps.declare(psx::dense("x", {8, 2}));
+    const std::size_t straggler = seed % 4;
+    ps.run([&](psx::Worker& w) {
+      std::mt19937_64 rng(seed * 31 + w.index());
+      std::vector<float> x(16), g(16, 1.0f);
+      for (int t = 0; t < 12; ++t) {
+        // The straggler sleeps 1-4 ms a step, the others up to 0.1 ms.
+        const auto pause = w.index() == straggler ? std::chrono::microseconds(1000 + rng() % 3000)
+                                                  : std::chrono::microseconds(rng() % 100);
+        std::this_thread::sleep_for(pause);
+        w.pull("x", x);
+        w.push("x", g);
+        w.step();
+      }
+    });
+    const auto st = ps.stats();
+    INFO("seed " << seed);
+    CHECK(max_staleness(st) <= static_cast<int>(K));
+    CHECK(max_staleness(st) >= 0);
+    at_bound += st.staleness[K];
+  }
+  CHECK(at_bound > 0);
+}
+
+TEST_CASE("SSP with an unbounded K never makes a pull wait") {
+  Watchdog dog("ssp unbounded");
+  psx::ParameterServer<psx::partition::HashByName, psx::sync::BoundedStaleness<psx::sync::unbounded>> ps({1, 2});
+  ps.declare(psx::dense("x", {2}));
+  auto w0 = ps.worker(0);
+  std::vector<float> x(2);
+  for (int t = 0; t < 50; ++t) {  // worker 1 never steps
+    w0.pull("x", x);
+    w0.step();
+  }
+  CHECK(w0.clock() == 50);
+}
+
+TEST_CASE("SyncReplicas: with one worker stalled forever every step still completes") {
+  Watchdog dog("syncreplicas stalled");
+  psx::ParameterServer<psx::partition::RowRange, psx::sync::SyncReplicas<3>> ps({2, 4}, {}, {}, {0.5f});
+  ps.declare(psx::dense("x", {6}, psx::Initializer::constant(10.0f)));
+  std::promise<void> release;
+  auto released = release.get_future().share();
+  std::atomic<int> finished{0};
+  std::atomic<bool> read_step0{false};
+  ps.run([&](psx::Worker& w) {
+    std::vector<float> x(6), g(6, 1.0f);
+    if (w.index() == 3) {
+      w.pull("x", x);
+      read_step0 = true;
+      released.wait();  // stalled until the others are done
+      w.push("x", g);   // late for step 0: dropped
+      w.step();
+      return;
+    }
+    while (!read_step0.load()) std::this_thread::yield();
+    for (int t = 0; t < 10; ++t) {
+      w.pull("x", x);
+      w.push("x", g);
+      w.step();
+    }
+    if (++finished == 3) release.set_value();
+  });
+  const auto st = ps.stats();
+  CHECK(st.steps == 2 * 10);  // 10 steps on each of the 2 shards
+  CHECK(st.dropped == 2);     // the stalled worker's gradient, on each shard
+  CHECK(ps.read("x") == std::vector<float>(6, 5.0f));  // 10 - 10 * 0.5 * mean(1, 1, 1)
+}
+
+TEST_CASE("SyncReplicas never applies a gradient that arrives after its step") {
+  Watchdog dog("syncreplicas late");
+  constexpr int kSteps = 12;
+  psx::ParameterServer<psx::partition::HashByName, psx::sync::SyncReplicas<3>> ps(
+      {1, 4}, {}, {psx::sync::Aggregate::sum}, {1.0f});
+  ps.declare(psx::dense("x", {3}));
+  std::atomic<int> pushes_done{0};
+  std::atomic<bool> late_worker_done{false}, read_step0{false};
+  int late_pushes = 0;
+  ps.run([&](psx::Worker& w) {
+    std::vector<float> x(3);
+    if (w.index() != 3) {
+      std::vector<float> g(3, 1.0f);
+      while (!read_step0.load()) std::this_thread::yield();  // so at least step 0 gets a late gradient
+      for (int t = 0; t < kSteps; ++t) {
+        w.pull("x", x);
+        w.push("x", g);
+        ++pushes_done;  // the third push of a step returns after the step is applied
+        w.step();
+      }
+      // Stay until the late worker is done: workers that leave lower the
+      // number of gradients a step needs, and its gradient would then be on time.
+      while (!late_worker_done.load()) std::this_thread::yield();
+      return;
+    }
+    std::vector<float> poison(3, 1000.0f);
+    for (;;) {
+      w.pull("x", x);
+      read_step0 = true;
+      const int step = static_cast<int>(-x[0] / 3.0f);  // x = -3 * steps applied, exactly
+      if (step >= kSteps) {
+        late_worker_done = true;
+        return;
+      }
+      while (pushes_done.load() < 3 * (step + 1)) std::this_thread::yield();
+      w.push("x", poison);  // for the step it read, which is applied by now
+      ++late_pushes;
+      w.step();
+    }
+  });
+  CHECK(late_pushes > 0);
+  CHECK(ps.stats().dropped == static_cast<std::uint64_t>(late_pushes));
+  INFO("x = " << ps.read("x")[0] << ", dropped " << ps.stats().dropped << ", late " << late_pushes);
+  CHECK(ps.read("x") == std::vector<float>(3, -3.0f * kSteps));
+}
+
+TEST_CASE("SyncReplicas needs at least M workers") {
+  psx::ParameterServer<psx::partition::HashByName, psx::sync::SyncReplicas<3>> ps({1, 2});
+  CHECK(message_of<psx::config_error>([&] { ps.start(); }) ==
+        "psx: SyncReplicas<3> needs at least 3 workers, the cluster has 2");
+}
+
+TEST_CASE("ASP makes progress while a worker is stalled") {
+  Watchdog dog("asp stalled");
+  psx::ParameterServer<psx::partition::RowRange, psx::sync::Asynchronous> ps({2, 4}, {}, {}, {0.1f});
+  ps.declare(psx::dense("x", {4}));
+  std::promise<void> release;
+  auto released = release.get_future().share();
+  std::atomic<int> finished{0};
+  const std::vector<float> target{3, -1, 2, 5};
+  ps.run([&](psx::Worker& w) {
+    std::vector<float> x(4), g(4);
+    if (w.index() == 0) {
+      released.wait();
+      return;
+    }
+    for (int t = 0; t < 150; ++t) {
+      w.pull("x", x);
+      for (std::size_t i = 0; i < 4; ++i) g[i] = x[i] - target[i];
+      w.push("x", g);
+      w.step();
+    }
+    if (++finished == 3) release.set_value();
+  });
+  const auto x = ps.read("x");
+  for (std::size_t i = 0; i < 4; ++i) CHECK(x[i] == doctest::Approx(target[i]).epsilon(1e-3));
+}
+
+TEST_CASE("ASP options: staleness-scaled learning rate and delay compensation follow their formulas") {
+  SUBCASE("lr / (1 + staleness)") {
+    psx::ParameterServer<psx::partition::HashByName, psx::sync::Asynchronous> ps({1, 2}, {}, {true, 0.0f}, {1.0f});
+    ps.declare(psx::dense("x", {1}));
+    auto w0 = ps.worker(0), w1 = ps.worker(1);
+    std::vector<float> x(1), g{1.0f};
+    w0.pull("x", x);
+    w1.pull("x", x);
+    w0.push("x", g);  // staleness 0: x = -1
+    w1.push("x", g);  // read version 0, applied at version 1: staleness 1, x = -1 - 1/2
+    CHECK(ps.read("x")[0] == -1.5f);
+    CHECK(ps.stats().staleness[1] == 1);
+  }
+  SUBCASE("DC-ASGD: g + lambda * g * g * (w_now - w_read)") {
+    const float lambda = 0.5f;
+    psx::ParameterServer<psx::partition::HashByName, psx::sync::Asynchronous> ps({1, 2}, {}, {false, lambda}, {1.0f});
+    ps.declare(psx::dense("x", {2}, psx::Initializer::constant(1.0f)));
+    auto w0 = ps.worker(0), w1 = ps.worker(1);
+    std::vector<float> x(2), g0{2.0f, 2.0f}, g1{3.0f, 1.0f};
+    w0.pull("x", x);
+    w1.pull("x", x);  // reads 1, 1
+    w0.push("x", g0);  // w_now == w_read: plain, x = -1, -1
+    w1.push("x", g1);  // w_now - w_read = -2: g' = g + 0.5 g^2 (-2) = g - g^2
+    const auto now = ps.read("x");
+    CHECK(now[0] == -1.0f - (3.0f - 9.0f));
+    CHECK(now[1] == -1.0f - (1.0f - 1.0f));
+  }
+}
+
+TEST_CASE("Hybrid routes variables by name pattern and by sync group") {
+  Watchdog dog("hybrid");
+  using H = psx::sync::Hybrid<psx::sync::Synchronous, psx::sync::Asynchronous>;
+  H hybrid;
+  hybrid.second_names = {"embedding/*"};
+  hybrid.second_group = "async";
+  psx::ParameterServer<psx::partition::HashByName, H> ps({1, 2}, {}, hybrid, {1.0f});
+  ps.declare(psx::dense("dense/w", {1}));
+  ps.declare(psx::dense("embedding/items", {1}));
+  auto tagged = psx::dense("tagged", {1});
+  tagged.sync_group = "async";
+  ps.declare(tagged);
+  auto w0 = ps.worker(0);
+  std::vector<float> one{1.0f}, out(1);
+  for (const char* name : {"dense/w", "embedding/items", "tagged"}) w0.push(name, one);
+  // Asynchronous variables changed at once; the synchronous one waits for worker 1's step.
+  CHECK(ps.read("embedding/items")[0] == -1.0f);
+  CHECK(ps.read("tagged")[0] == -1.0f);
+  CHECK(ps.read("dense/w")[0] == 0.0f);
+  w0.step();
+  auto w1 = ps.worker(1);
+  w1.step();
+  w0.pull("dense/w", out);
+  CHECK(out[0] == -0.5f);  // mean over the two workers that finished step 0
+  CHECK(psx::sync::detail::glob_match("a*c?e", "abbbcde"));
+  CHECK_FALSE(psx::sync::detail::glob_match("a*c?e", "abbbce"));
+}
+
+namespace {
+struct AsyncScaled : psx::sync::Asynchronous {
+  AsyncScaled() { staleness_scaled_lr = true; }
+};
+struct AsyncCompensated : psx::sync::Asynchronous {
+  AsyncCompensated() { delay_compensation = 0.04f; }
+};
+struct HybridSyncAsync : psx::sync::Hybrid<psx::sync::Synchronous, psx::sync::Asynchronous> {
+  HybridSyncAsync() { second_names = {"b"}; }
+};
+}  // namespace
+
+TEST_CASE_TEMPLATE("every policy converges on a convex problem with 4 workers", Sync, psx::sync::Synchronous,
+                   psx::sync::BoundedStaleness<2>, psx::sync::SyncReplicas<3>, psx::sync::Asynchronous, AsyncScaled,
+                   AsyncCompensated, HybridSyncAsync) {
+  Watchdog dog("convergence");
+  // f(a, b) = |a - ta|^2 / 2 + |b - tb|^2 / 2, minimized at (ta, tb).
+  psx::ParameterServer<psx::partition::RowRange, Sync> ps({2, 4}, {}, Sync{}, {0.2f});
+  ps.declare(psx::dense("a", {6}));
+  ps.declare(psx::dense("b", {6}, psx::Initializer::constant(4.0f)));
+  const std::vector<float> ta{1, -2, 3, -4, 5, -6}, tb{0.5f, 0.25f, -1, 2, -3, 1};
+  ps.run([&](psx::Worker& w) {
+    std::vector<float> a(6), b(6), ga(6), gb(6);
+    for (int t = 0; t < 150; ++t) {
+      w.pull({{"a", a}, {"b", b}});
+      for (std::size_t i = 0; i < 6; ++i) {
+        ga[i] = a[i] - ta[i];
+        gb[i] = b[i] - tb[i];
+      }
+      w.push({{"a", ga}, {"b", gb}});
+      w.step();
+    }
+  });
+  const auto a = ps.read("a"), b = ps.read("b");
+  for (std::size_t i = 0; i < 6; ++i) {
+    CHECK(a[i] == doctest::Approx(ta[i]).epsilon(1e-3));
+    CHECK(b[i] == doctest::Approx(tb[i]).epsilon(1e-3));
+  }
+}
+
+namespace {
+// A worker killed mid-step (its function throws after pulling, before
+// pushing): the survivors either finish their steps or fail with peer_lost.
+template <class Sync>
+void check_killed_worker(Sync sync, bool survivors_finish) {
+  Watchdog dog("killed worker");
+  psx::ParameterServer<psx::partition::RowRange, Sync> ps({2, 4}, {}, sync, {0.1f});
+  ps.declare(psx::dense("x", {4}));
+  std::atomic<int> completed{0}, lost{0};
+  CHECK_THROWS_WITH_AS(ps.run([&](psx::Worker& w) {
+    std::vector<float> x(4), g(4, 1.0f);
+    try {
+      for (int t = 0; t < 8; ++t) {
+        w.pull("x", x);
+        if (w.index() == 1 && t == 2) throw std::runtime_error("killed");
+        w.push("x", g);
+        w.step();
+      }
+      ++completed;
+    } catch (const psx::peer_lost& e) {
+      if (std::string(e.what()).find("worker 1 was lost") != std::string::npos) ++lost;
+      throw;
+    }
+  }), "killed", std::runtime_error);
+  CHECK(completed.load() == (survivors_finish ? 3 : 0));
+  CHECK(lost.load() == (survivors_finish ? 0 : 3));
+}
+}  // namespace
+
+TEST_CASE("a worker killed mid-step ends in each policy's documented outcome") {
+  using psx::OnWorkerLost;
+  SUBCASE("Synchronous fails") { check_killed_worker(psx::sync::Synchronous{}, false); }
+  SUBCASE("Synchronous with shrink carries on") {
+    check_killed_worker(psx::sync::Synchronous{psx::sync::Aggregate::mean, OnWorkerLost::shrink}, true);
+  }
+  SUBCASE("BoundedStaleness fails") { check_killed_worker(psx::sync::BoundedStaleness<1>{}, false); }
+  SUBCASE("BoundedStaleness with shrink carries on") {
+    check_killed_worker(psx::sync::BoundedStaleness<1>{psx::sync::Aggregate::mean, OnWorkerLost::shrink}, true);
+  }
+  SUBCASE("SyncReplicas<3> of 4 carries on") { check_killed_worker(psx::sync::SyncReplicas<3>{}, true); }
+  SUBCASE("SyncReplicas<4> of 4 fails") { check_killed_worker(psx::sync::SyncReplicas<4>{}, false); }
+  SUBCASE("Asynchronous carries on") { check_killed_worker(psx::sync::Asynchronous{}, true); }
+  SUBCASE("Hybrid fails when one of its policies does") { check_killed_worker(HybridSyncAsync{}, false); }
+}
+
+TEST_CASE("a worker that stops responding is lost after the peer timeout") {
+  Watchdog dog("peer timeout");
+  SUBCASE("Synchronous: the others fail with peer_lost within the timeout") {
+    psx::ParameterServer<> ps({.num_servers = 2, .num_workers = 3, .peer_timeout = 200ms});
+    ps.declare(psx::dense("x", {2}));
+    std::promise<void> release;
+    auto released = release.get_future().share();
+    std::atomic<int> matched{0}, seen{0};
+    std::atomic<long long> waited_ms{0};
+    CHECK_THROWS_AS(ps.run([&](psx::Worker& w) {
+      std::vector<float> x(2), g(2, 1.0f);
+      if (w.index() == 2) {
+        w.pull("x", x);
+        released.wait();  // stalled, then comes back to a failed cluster
+        w.push("x", g);
+        return;
+      }
+      const auto start = std::chrono::steady_clock::now();
+      try {
+        for (int t = 0; t < 5; ++t) {
+          w.pull("x", x);
+          w.push("x", g);
+          w.step();
+        }
+      } catch (const psx::peer_lost& e) {
+        waited_ms = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - start)
+                        .count();
+        if (std::string(e.what()).find("worker 2 was lost (sent nothing for") != std::string::npos) ++matched;
+        if (++seen == 2) release.set_value();  // both survivors saw it
+        throw;
+      }
+    }), psx::peer_lost);
+    CHECK(matched.load() == 2);
+    CHECK(waited_ms.load() >= 200);
+    CHECK(waited_ms.load() < 10000);
+  }
+  SUBCASE("SyncReplicas<2> of 3 does not even need the timeout to carry on") {
+    psx::ParameterServer<psx::partition::HashByName, psx::sync::SyncReplicas<2>> ps(
+        {.num_servers = 1, .num_workers = 3, .peer_timeout = 100ms});
+    ps.declare(psx::dense("x", {2}));
+    std::promise<void> release;
+    auto released = release.get_future().share();
+    std::atomic<int> finished{0};
+    ps.run([&](psx::Worker& w) {
+      std::vector<float> x(2), g(2, 1.0f);
+      if (w.index() == 2) {
+        released.wait();
+        return;
+      }
+      for (int t = 0; t < 5; ++t) {
+        w.pull("x", x);
+        w.push("x", g);
+        w.step();
+      }
+      if (++finished == 2) release.set_value();
+    });
+    CHECK(finished.load() == 2);
+    CHECK(ps.stats().steps == 5);
+  }
+}
+
+TEST_CASE_TEMPLATE("every policy finishes with unequal step counts per worker", Sync, psx::sync::Synchronous,
+                   psx::sync::BoundedStaleness<1>, psx::sync::SyncReplicas<2>, psx::sync::Asynchronous,
+                   HybridSyncAsync) {
+  Watchdog dog("unequal steps per policy");
+  psx::ParameterServer<psx::partition::RowRange, Sync> ps({2, 3}, {}, Sync{}, {0.1f});
+  ps.declare(psx::dense("a", {4}));
+  ps.declare(psx::dense("b", {4}));
+  ps.run([](psx::Worker& w) {
+    std::vector<float> a(4), g(4, 1.0f);
+    for (std::size_t t = 0; t < 2 + 3 * w.index(); ++t) {
+      w.pull("a", a);
+      w.push({{"a", g}, {"b", g}});
+      w.step();
+    }
+  });
+  ps.shutdown();
+}
