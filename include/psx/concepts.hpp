@@ -99,6 +99,9 @@ struct StepProgress {
   std::size_t contributors = 0;
   //! Of those, the workers still training.
   std::size_t live_contributors = 0;
+  //! Of those, the workers whose clock has passed `step` (they called
+  //! `step()` after contributing).
+  std::size_t finished_contributors = 0;
 };
 
 //! A pull as a sync policy sees it.
@@ -213,8 +216,8 @@ concept has_step_complete = requires(const St& st, const StepProgress& step, con
   { st.step_complete(step, s, c) } -> std::same_as<bool>;
 };
 template <class St>
-concept has_finish = requires(const St& st, std::span<float> sum, std::size_t contributors, const ShardProgress& s,
-                              const ServerClock& c) { st.finish(sum, contributors, s, c); };
+concept has_finish = requires(const St& st, std::span<float> sum, const StepProgress& p, const ShardProgress& s,
+                              const ServerClock& c) { st.finish(sum, p, s, c); };
 template <class St>
 concept has_on_worker_lost = requires(const St& st, std::size_t worker, const ServerClock& c) {
   { st.on_worker_lost(worker, c) } -> std::same_as<OnWorkerLost>;
@@ -245,7 +248,7 @@ concept has_compensation = requires(const St& st, const VariableMeta& v, std::sp
 //!     the shard's next step (`psx::StepProgress`: the step, how many workers'
 //!     gradients are in it, how many of those are still training) be applied
 //!     now? A step may complete with none.
-//!  4. `finish(sum, contributors, shard, clock) const`: turns a step's sum of
+//!  4. `finish(sum, step, shard, clock) const`: turns a step's sum of
 //!     contributions, added in worker order, into the gradient to apply
 //!     (a mean divides, a sum does nothing).
 //!  5. `on_worker_lost(worker, clock) const -> psx::OnWorkerLost`: carry on
@@ -276,7 +279,8 @@ concept SyncState = detail::has_on_push<St> && detail::has_may_pull<St> && detai
 //!     bool step_complete(const psx::StepProgress&, const psx::ShardProgress&, const psx::ServerClock&) const {
 //!       return false;
 //!     }
-//!     void finish(std::span<float>, std::size_t, const psx::ShardProgress&, const psx::ServerClock&) const {}
+//!     void finish(std::span<float>, const psx::StepProgress&, const psx::ShardProgress&,
+//!                 const psx::ServerClock&) const {}
 //!     psx::OnWorkerLost on_worker_lost(std::size_t, const psx::ServerClock&) const {
 //!       return psx::OnWorkerLost::shrink;
 //!     }
@@ -308,7 +312,7 @@ consteval bool explain_sync_policy() {
                   "const psx::ShardProgress&, const psx::ServerClock&) const`");
     static_assert(detail::has_finish<St>,
                   "psx::SyncPolicy: the state is missing `void finish(std::span<float> sum, "
-                  "std::size_t contributors, const psx::ShardProgress&, const psx::ServerClock&) const`");
+                  "const psx::StepProgress&, const psx::ShardProgress&, const psx::ServerClock&) const`");
     static_assert(detail::has_on_worker_lost<St>,
                   "psx::SyncPolicy: the state is missing `psx::OnWorkerLost on_worker_lost(std::size_t worker, "
                   "const psx::ServerClock&) const`");

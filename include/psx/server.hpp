@@ -504,17 +504,28 @@ class Server final : public RequestHandler {
     }
   }
 
-  // Applies the aggregate of `step` to shard `s`: the contributions summed in
-  // worker order, finished by the policy (a mean divides).
-  void apply_step(ShardState& s, std::uint64_t step) {
-    auto it = s.pending.find(step);
+  StepProgress step_progress(const ShardState& s) const {
+    StepProgress p{s.applied_steps, 0, 0, 0};
+    auto it = s.pending.find(s.applied_steps);
+    if (it == s.pending.end()) return p;
+    for (std::size_t w = 0; w < it->second.size(); ++w) {
+      if (!it->second[w].present) continue;
+      ++p.contributors;
+      p.live_contributors += gone_[w] == Gone::no;
+      p.finished_contributors += clocks_[w] > s.applied_steps;
+    }
+    return p;
+  }
+
+  // Applies the aggregate of the shard's next step: the contributions summed
+  // in worker order, finished by the policy (a mean divides).
+  void apply_step(ShardState& s, const StepProgress& step) {
+    auto it = s.pending.find(step.step);
     count(steps_);
     if (it == s.pending.end()) return;
     std::vector<detail::Contribution>& by_worker = it->second;
-    std::size_t contributors = 0;
     bool any_dense = false;
     for (const auto& c : by_worker) {
-      contributors += c.present;
       any_dense = any_dense || !c.dense.empty();
       if (c.present) record_staleness(s.version, c.pulled_version);
     }
@@ -534,13 +545,13 @@ class Server final : public RequestHandler {
           scatter_add(s, sum, c.rows);
         }
       }
-      sync_.finish(sum, contributors, s.progress(), server_clock());
+      sync_.finish(sum, step, s.progress(), server_clock());
       apply_dense(s, sum, 1.0f);
     } else {
       detail::RowAccumulator sum(s.width());
       for (auto& c : by_worker)
         for (std::size_t k = 0; k < c.rows.rows().size(); ++k) sum.add(c.rows.rows()[k], c.rows.row_data(k));
-      sync_.finish(sum.data(), contributors, s.progress(), server_clock());
+      sync_.finish(sum.data(), step, s.progress(), server_clock());
       apply_rows(s, sum, 1.0f);
     }
     s.pending.erase(it);
@@ -600,18 +611,12 @@ class Server final : public RequestHandler {
         if (!sp) continue;
         ShardState& s = *sp;
         for (;;) {
-          auto it = s.pending.find(s.applied_steps);
-          StepProgress step{s.applied_steps, 0, 0};
-          if (it != s.pending.end())
-            for (std::size_t w = 0; w < it->second.size(); ++w) {
-              step.contributors += it->second[w].present;
-              step.live_contributors += it->second[w].present && gone_[w] == Gone::no;
-            }
+          const StepProgress step = step_progress(s);
           // No step beyond every worker's clock completes without gradients:
           // this bounds the loop whatever the policy answers.
           if (step.contributors == 0 && s.applied_steps >= max_clock_) break;
           if (!sync_.step_complete(step, s.progress(), server_clock())) break;
-          apply_step(s, s.applied_steps);
+          apply_step(s, step);
           ++s.applied_steps;
         }
       }

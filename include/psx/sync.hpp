@@ -53,14 +53,16 @@ struct ClockedSteps {
   bool step_complete(const StepProgress& p, const ShardProgress&, const ServerClock& c) const {
     return c.min_clock > p.step;
   }
-  void finish(std::span<float> sum, std::size_t, const ShardProgress& s, const ServerClock& c) const {
+  void finish(std::span<float> sum, const StepProgress& p, const ShardProgress&, const ServerClock& c) const {
     if (aggregate == Aggregate::sum) return;
-    // The mean over the workers that finished this step (s.applied_steps is
-    // the step being applied), whether or not they are still training.
+    // The mean over the workers that took part in the step: those that
+    // finished it, whether or not they are still training, and those whose
+    // gradient is in it though they left or were lost before finishing it.
     std::size_t finished = 0;
-    for (std::uint64_t clock : c.worker_clocks) finished += clock > s.applied_steps;
-    const float n = static_cast<float>(finished > 0 ? finished : 1);
-    for (float& x : sum) x /= n;
+    for (std::uint64_t clock : c.worker_clocks) finished += clock > p.step;
+    const std::size_t n = finished + (p.contributors - p.finished_contributors);
+    const float d = static_cast<float>(n > 0 ? n : 1);
+    for (float& x : sum) x /= d;
   }
   OnWorkerLost on_worker_lost(std::size_t, const ServerClock&) const { return lost; }
 };
@@ -94,8 +96,9 @@ inline bool glob_match(std::string_view pattern, std::string_view name) {
 //! that step. A server applies step `t` once every worker still training has
 //! called `step()` for it, as one update: the workers' gradients added in
 //! worker order 0, 1, ..., N-1 (bit-reproducible), then, for
-//! `Aggregate::mean`, divided by the number of workers that finished the
-//! step (N, unless some left or were lost before it). A pull from
+//! `Aggregate::mean`, divided by the number of workers that took part in the
+//! step: N, unless some left or were lost before it (a worker that pushed
+//! and then left without calling `step()` counts). A pull from
 //! a worker at clock `t` returns once steps `0 .. t-1` are applied.
 struct Synchronous {
   Aggregate aggregate = Aggregate::mean;
@@ -167,9 +170,9 @@ struct SyncReplicas {
       // remain: then a step also completes when every remaining one is in it.
       return p.contributors >= M || (p.contributors > 0 && p.live_contributors == c.live_workers);
     }
-    void finish(std::span<float> sum, std::size_t contributors, const ShardProgress&, const ServerClock&) const {
-      if (aggregate == Aggregate::sum || contributors == 0) return;
-      const float n = static_cast<float>(contributors);
+    void finish(std::span<float> sum, const StepProgress& p, const ShardProgress&, const ServerClock&) const {
+      if (aggregate == Aggregate::sum || p.contributors == 0) return;
+      const float n = static_cast<float>(p.contributors);
       for (float& x : sum) x /= n;
     }
     OnWorkerLost on_worker_lost(std::size_t, const ServerClock& c) const {
@@ -213,7 +216,7 @@ struct Asynchronous {
     }
     bool may_pull(const PullInfo&, const ShardProgress&, const ServerClock&) const { return true; }
     bool step_complete(const StepProgress&, const ShardProgress&, const ServerClock&) const { return false; }
-    void finish(std::span<float>, std::size_t, const ShardProgress&, const ServerClock&) const {}
+    void finish(std::span<float>, const StepProgress&, const ShardProgress&, const ServerClock&) const {}
     OnWorkerLost on_worker_lost(std::size_t, const ServerClock&) const { return OnWorkerLost::shrink; }
 
     bool compensates(const VariableMeta&) const { return lambda > 0.0f; }
@@ -273,9 +276,9 @@ struct Hybrid {
     bool step_complete(const StepProgress& p, const ShardProgress& s, const ServerClock& c) const {
       return second(*s.variable) ? b.step_complete(p, s, c) : a.step_complete(p, s, c);
     }
-    void finish(std::span<float> sum, std::size_t n, const ShardProgress& s, const ServerClock& c) const {
-      if (second(*s.variable)) b.finish(sum, n, s, c);
-      else a.finish(sum, n, s, c);
+    void finish(std::span<float> sum, const StepProgress& p, const ShardProgress& s, const ServerClock& c) const {
+      if (second(*s.variable)) b.finish(sum, p, s, c);
+      else a.finish(sum, p, s, c);
     }
     OnWorkerLost on_worker_lost(std::size_t w, const ServerClock& c) const {
       const bool fail = a.on_worker_lost(w, c) == OnWorkerLost::fail || b.on_worker_lost(w, c) == OnWorkerLost::fail;

@@ -20,7 +20,7 @@ struct ApplyOnArrival {
     bool step_complete(const psx::StepProgress&, const psx::ShardProgress&, const psx::ServerClock&) const {
       return false;
     }
-    void finish(std::span<float>, std::size_t, const psx::ShardProgress&, const psx::ServerClock&) const {}
+    void finish(std::span<float>, const psx::StepProgress&, const psx::ShardProgress&, const psx::ServerClock&) const {}
     psx::OnWorkerLost on_worker_lost(std::size_t, const psx::ServerClock&) const { return psx::OnWorkerLost::shrink; }
   };
   State make_state(std::size_t) const { return {}; }
@@ -76,7 +76,7 @@ struct StateWithoutMayPull {
     bool step_complete(const psx::StepProgress&, const psx::ShardProgress&, const psx::ServerClock&) const {
       return false;
     }
-    void finish(std::span<float>, std::size_t, const psx::ShardProgress&, const psx::ServerClock&) const {}
+    void finish(std::span<float>, const psx::StepProgress&, const psx::ShardProgress&, const psx::ServerClock&) const {}
     psx::OnWorkerLost on_worker_lost(std::size_t, const psx::ServerClock&) const { return psx::OnWorkerLost::fail; }
   };
   State make_state(std::size_t) const { return {}; }
@@ -99,7 +99,7 @@ struct StateWithoutLossRule {
     bool step_complete(const psx::StepProgress&, const psx::ShardProgress&, const psx::ServerClock&) const {
       return false;
     }
-    void finish(std::span<float>, std::size_t, const psx::ShardProgress&, const psx::ServerClock&) const {}
+    void finish(std::span<float>, const psx::StepProgress&, const psx::ShardProgress&, const psx::ServerClock&) const {}
   };
   State make_state(std::size_t) const { return {}; }
 };
