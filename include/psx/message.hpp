@@ -12,6 +12,7 @@
 
 #include <psx/errors.hpp>
 
+#include <cassert>
 #include <chrono>
 #include <condition_variable>
 #include <cstddef>
@@ -36,6 +37,7 @@ enum class Op : std::uint8_t {
   join,       //!< the worker (re)joins: sync waits count it again (carries no item)
   leave,      //!< the worker is done: sync waits no longer count it (carries no item)
   fail,       //!< the worker failed (`Request::reason` says how): the sync policy decides
+  heartbeat,  //!< the worker is alive, waiting on some server (carries no item)
   barrier,    //!< wait until every worker has reached the same barrier (server 0 only)
   read,       //!< like pull, but never waits for the sync policy (inspection)
 };
@@ -62,9 +64,12 @@ class Completion {
  public:
   explicit Completion(std::size_t parts) : pending_(parts) {}
 
-  //! One part finished; `error` is null on success.
+  //! One part finished; `error` is null on success. Each part finishes
+  //! exactly once: a second finish would let `wait` return while another
+  //! part may still write into the caller's buffers.
   void finish(std::exception_ptr error = nullptr) {
     std::lock_guard lock(mu_);
+    assert(pending_ > 0 && "psx: a request was finished twice");
     if (error && !error_) error_ = std::move(error);
     if (pending_ > 0 && --pending_ == 0) cv_.notify_all();
   }
@@ -74,6 +79,14 @@ class Completion {
     std::unique_lock lock(mu_);
     cv_.wait(lock, [&] { return pending_ == 0; });
     if (error_) std::rethrow_exception(error_);
+  }
+
+  //! Waits until every part finished or `timeout` passed; true when finished
+  //! (then `wait()` returns at once).
+  template <class Rep, class Period>
+  bool wait_for(std::chrono::duration<Rep, Period> timeout) {
+    std::unique_lock lock(mu_);
+    return cv_.wait_for(lock, timeout, [&] { return pending_ == 0; });
   }
 
   //! True once every part finished.

@@ -66,6 +66,9 @@ class ParameterServer {
       throw config_error("psx: a cluster needs at least one server and one worker (got " +
                          std::to_string(config.num_servers) + " servers, " + std::to_string(config.num_workers) +
                          " workers)");
+    if (config.peer_timeout.count() < 0 || config.peer_timeout > std::chrono::hours(24 * 366))
+      throw config_error("psx: peer_timeout must be between 0 (off) and a year, got " +
+                         std::to_string(config.peer_timeout.count()) + " ms");
     core_->config = config;
     core_->clocks.assign(config.num_workers, 0);
   }
@@ -108,20 +111,40 @@ class ParameterServer {
   //! on its own thread. Idempotent; throws `psx::shutdown_error` after shutdown.
   void start() {
     if (core_->stopped.load()) throw shutdown_error("psx: start() after shutdown");
+    std::lock_guard start_lock(start_mu_);
     if (started_) return;
-    started_ = true;
-    auto* link = [&] {
-      std::lock_guard lock(link_mu_);
-      link_ = transport_.connect(TransportContext{config().num_servers, config().num_workers});
-      return link_.get();
-    }();
-    core_->send = [link](std::size_t server, Request&& r) { link->send(server, std::move(r)); };
-    servers_.reserve(config().num_servers);
+    // Build everything first; publish only a cluster whose servers all run,
+    // so a failed start (a policy refusing the cluster, no thread to be had)
+    // leaves nothing half-started and can be retried or reported again.
+    auto link = transport_.connect(TransportContext{config().num_servers, config().num_workers});
+    std::vector<std::unique_ptr<server_type>> servers;
+    servers.reserve(config().num_servers);
     for (std::size_t s = 0; s < config().num_servers; ++s)
-      servers_.push_back(
+      servers.push_back(
           std::make_unique<server_type>(s, config().num_workers, core_->variables, sync_, optimizer_, config().peer_timeout));
-    for (std::size_t s = 0; s < config().num_servers; ++s)
-      threads_.emplace_back([link, server = servers_[s].get(), s] { link->serve(s, *server); });
+    std::vector<std::thread> threads;
+    try {
+      for (std::size_t s = 0; s < config().num_servers; ++s)
+        threads.emplace_back([l = link.get(), server = servers[s].get(), s] { l->serve(s, *server); });
+    } catch (...) {
+      link->close();
+      for (auto& t : threads) t.join();
+      throw;
+    }
+    auto* raw = link.get();
+    core_->send = [raw](std::size_t server, Request&& r) { raw->send(server, std::move(r)); };
+    {
+      std::lock_guard lock(link_mu_);
+      link_ = std::move(link);
+      servers_ = std::move(servers);
+    }
+    {
+      std::lock_guard lock(join_mu_);
+      threads_ = std::move(threads);
+    }
+    started_ = true;
+    // A shutdown() that ran meanwhile saw no link: close it now.
+    if (core_->stopped.load()) shutdown();
   }
 
   //! Worker `index`'s handle, for callers that run workers on threads of their own.
@@ -171,19 +194,19 @@ class ParameterServer {
         Worker worker(*core_, w);
         try {
           fn(worker);
-          notify(w, Op::leave, {});
+          detail::announce(*core_, w, Op::leave);
         } catch (const std::exception& e) {
           {
             std::lock_guard lock(mu);
             if (!first) first = std::current_exception();
           }
-          notify(w, Op::fail, std::string("its function threw: ") + e.what());
+          detail::announce(*core_, w, Op::fail, std::string("its function threw: ") + e.what());
         } catch (...) {
           {
             std::lock_guard lock(mu);
             if (!first) first = std::current_exception();
           }
-          notify(w, Op::fail, "its function threw a non-standard exception");
+          detail::announce(*core_, w, Op::fail, "its function threw a non-standard exception");
         }
       });
     }
@@ -196,6 +219,7 @@ class ParameterServer {
     if (index >= config().num_servers)
       throw config_error("psx: server " + std::to_string(index) + " of a cluster of " +
                          std::to_string(config().num_servers) + " servers");
+    std::lock_guard lock(link_mu_);
     return index < servers_.size() ? servers_[index]->stats() : ServerStats{};
   }
 
@@ -271,28 +295,15 @@ class ParameterServer {
     if (link_) link_->close();
   }
 
-  // Tells every server that worker `w` left or failed; nobody waits for the answer.
-  void notify(std::size_t w, Op op, const std::string& reason) noexcept {
-    for (std::size_t s = 0; s < config().num_servers; ++s) {
-      try {
-        Request r;
-        r.op = op;
-        r.worker = static_cast<std::uint32_t>(w);
-        r.reason = reason;
-        core_->send(s, std::move(r));
-      } catch (...) {  // shut down already: nobody is waiting
-      }
-    }
-  }
-
   P partitioner_;
   S sync_;
   O optimizer_;
   T transport_;
   std::unique_ptr<detail::ClusterCore> core_;
   std::atomic<bool> started_{false};
-  std::mutex link_mu_;
-  std::mutex join_mu_;
+  std::mutex start_mu_;
+  mutable std::mutex link_mu_;  // guards link_ and servers_
+  std::mutex join_mu_;          // guards threads_
   std::unique_ptr<typename T::link_type> link_;
   std::vector<std::unique_ptr<server_type>> servers_;
   std::vector<std::thread> threads_;

@@ -25,6 +25,7 @@
 #include <memory>
 #include <string>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 namespace psx {
@@ -112,7 +113,8 @@ class Server final : public RequestHandler {
         peer_timeout_(peer_timeout),
         clocks_(num_workers, 0),
         gone_(num_workers, Gone::no),
-        last_seen_(num_workers, clock_type::now()) {
+        last_seen_(num_workers, clock_type::now()),
+        lost_reason_(num_workers) {
     shards_.resize(variables.size());
     for (const VariableInfo& v : variables) {
       shards_[v.meta.id].resize(v.shards.size());
@@ -182,7 +184,8 @@ class Server final : public RequestHandler {
     std::uint64_t pulled_step = 0;
     bool has_pushed = false;
     std::uint64_t pushed_step = 0;
-    std::vector<float> pulled;  // the values last pulled, for delay compensation
+    std::vector<float> pulled;        // the values last pulled, for delay compensation
+    std::vector<bool> pulled_rows;    // which rows of `pulled` hold values the worker read
   };
 
   struct ShardState {
@@ -279,6 +282,9 @@ class Server final : public RequestHandler {
       throw wire_error("psx: server " + std::to_string(index_) + ": request from worker " +
                        std::to_string(r.worker) + " of " + std::to_string(clocks_.size()));
     if (failure_ && r.op != Op::read) std::rethrow_exception(failure_);
+    if (r.op != Op::read && r.op != Op::join && gone_[r.worker] == Gone::lost)
+      throw peer_lost("psx: server " + std::to_string(index_) + ": worker " + std::to_string(r.worker) +
+                      " was declared lost earlier (" + lost_reason_[r.worker] + ") and is no longer served");
     if (r.op != Op::read) last_seen_[r.worker] = clock_type::now();
     switch (r.op) {
       case Op::pull:
@@ -305,6 +311,8 @@ class Server final : public RequestHandler {
       case Op::fail:
         lose(r.worker, r.reason);
         break;
+      case Op::heartbeat:
+        break;  // last_seen_ is all it updates
       case Op::barrier:
         barrier_.push_back(std::move(r));
         release_barrier();
@@ -335,24 +343,33 @@ class Server final : public RequestHandler {
       const std::size_t width = s.width();
       const bool compensating = r.op != Op::read && compensates(s);
       count(bytes_out_, (rows ? item.ids.size() * width : item.out.size()) * sizeof(float));
-      if (r.op != Op::read) {
-        WorkerView& wv = s.workers[r.worker];
-        wv.pulled_version = s.version;
-        wv.pulled_step = s.applied_steps;
-        if (compensating && wv.pulled.empty()) wv.pulled.assign(s.params.size(), 0.0f);
+      WorkerView* wv = r.op == Op::read ? nullptr : &s.workers[r.worker];
+      if (wv) {
+        wv->pulled_version = s.version;
+        wv->pulled_step = s.applied_steps;
+        if (compensating && wv->pulled.empty()) {
+          wv->pulled.assign(s.params.size(), 0.0f);
+          wv->pulled_rows.assign(s.shard.rows(), false);
+        }
       }
       if (!rows) {
         std::memcpy(item.out.data(), s.params.data(), s.params.size() * sizeof(float));
-        if (compensating) std::memcpy(s.workers[r.worker].pulled.data(), s.params.data(), s.params.size() * sizeof(float));
+        if (compensating) {
+          std::memcpy(wv->pulled.data(), s.params.data(), s.params.size() * sizeof(float));
+          wv->pulled_rows.assign(s.shard.rows(), true);
+        }
         continue;
       }
       const float* base = s.params.data();
       const std::size_t first = s.shard.row_begin;
       for (std::size_t j = 0; j < item.ids.size(); ++j) {
         const std::size_t pos = item.positions.empty() ? j : item.positions[j];
-        const std::size_t at = (item.ids[j] - first) * width;
-        detail::copy_floats(item.out.data() + pos * width, base + at, width);
-        if (compensating) detail::copy_floats(s.workers[r.worker].pulled.data() + at, base + at, width);
+        const std::size_t row = item.ids[j] - first;
+        detail::copy_floats(item.out.data() + pos * width, base + row * width, width);
+        if (compensating) {
+          detail::copy_floats(wv->pulled.data() + row * width, base + row * width, width);
+          wv->pulled_rows[row] = true;
+        }
       }
     }
   }
@@ -399,11 +416,18 @@ class Server final : public RequestHandler {
           record_staleness(s.version, wv.pulled_version);
           if (rows) {
             scratch_rows(s, item);
-            if (compensates(s) && !wv.pulled.empty()) compensate_rows(s, scratch_, wv.pulled);
+            if (compensates(s) && !wv.pulled.empty()) compensate_rows(s, scratch_, wv);
             apply_rows(s, scratch_, actions[i].lr_scale);
           } else if (compensates(s) && !wv.pulled.empty()) {
             compensated_.assign(item.in.begin(), item.in.end());
-            compensate_span(s, compensated_, s.params, wv.pulled);
+            const std::size_t width = s.width();
+            for (std::size_t row = 0; row < s.shard.rows(); ++row) {
+              if (!wv.pulled_rows[row]) continue;  // never read: nothing to compensate for
+              const std::size_t at = row * width;
+              compensate_span(s, std::span<float>(compensated_.data() + at, width),
+                              std::span<const float>(s.params.data() + at, width),
+                              std::span<const float>(wv.pulled.data() + at, width));
+            }
             apply_dense(s, compensated_, actions[i].lr_scale);
           } else {
             apply_dense(s, item.in, actions[i].lr_scale);
@@ -446,13 +470,14 @@ class Server final : public RequestHandler {
     if constexpr (detail::has_compensation<SyncStateT>) sync_.compensate(s.var->meta, g, now, pulled);
   }
 
-  void compensate_rows(const ShardState& s, detail::RowAccumulator& rows, const std::vector<float>& pulled) const {
+  void compensate_rows(const ShardState& s, detail::RowAccumulator& rows, const WorkerView& wv) const {
     const std::size_t width = s.width();
     for (std::size_t k = 0; k < rows.rows().size(); ++k) {
-      const std::size_t at = rows.rows()[k] * width;
+      const std::size_t row = rows.rows()[k];
+      if (!wv.pulled_rows[row]) continue;  // never read: nothing to compensate for
       compensate_span(s, std::span<float>(rows.data().data() + k * width, width),
-                      std::span<const float>(s.params.data() + at, width),
-                      std::span<const float>(pulled.data() + at, width));
+                      std::span<const float>(s.params.data() + row * width, width),
+                      std::span<const float>(wv.pulled.data() + row * width, width));
     }
   }
 
@@ -558,6 +583,16 @@ class Server final : public RequestHandler {
   }
 
   void tick_clock(const Request& r) {
+    // Clocks only move one step at a time (Worker::step), and a join never
+    // goes beyond the furthest clock seen: anything else is a bad request,
+    // and trusting it would make the step loop below run for ever.
+    if (r.op == Op::clock && r.clock > clocks_[r.worker] + 1)
+      throw wire_error("psx: server " + std::to_string(index_) + ": worker " + std::to_string(r.worker) +
+                       " jumped from clock " + std::to_string(clocks_[r.worker]) + " to " + std::to_string(r.clock));
+    if (r.op == Op::join && r.clock > max_clock_)
+      throw wire_error("psx: server " + std::to_string(index_) + ": worker " + std::to_string(r.worker) +
+                       " joins at clock " + std::to_string(r.clock) + ", beyond every clock seen (" +
+                       std::to_string(max_clock_) + ")");
     if (r.op == Op::leave && gone_[r.worker] == Gone::no) gone_[r.worker] = Gone::left;
     if (r.op == Op::join) gone_[r.worker] = Gone::no;
     if (r.op != Op::leave) clocks_[r.worker] = std::max(clocks_[r.worker], r.clock);
@@ -585,6 +620,7 @@ class Server final : public RequestHandler {
     if (gone_[w] != Gone::no) return;
     const OnWorkerLost outcome = sync_.on_worker_lost(w, server_clock());
     gone_[w] = Gone::lost;
+    lost_reason_[w] = reason;
     recount();
     if (outcome == OnWorkerLost::fail) {
       failure_ = std::make_exception_ptr(peer_lost("psx: server " + std::to_string(index_) + ": worker " +
@@ -622,16 +658,22 @@ class Server final : public RequestHandler {
       }
     }
     if (parked_.empty()) return;
-    std::deque<Request> still;
-    for (Request& r : parked_) {
-      if (may_pull(r)) {
-        answer_pull(r);
-        r.finish();
-      } else {
-        still.push_back(std::move(r));
+    // Each kept pull is answered, kept again, or finished with its own error:
+    // whatever happens, every one is accounted for exactly once.
+    std::deque<Request> waiting = std::exchange(parked_, {});
+    for (Request& r : waiting) {
+      try {
+        if (may_pull(r)) {
+          answer_pull(r);
+          r.finish();
+        } else {
+          parked_.push_back(std::move(r));
+        }
+      } catch (...) {
+        count(errors_);
+        r.finish(std::current_exception());
       }
     }
-    parked_.swap(still);
   }
 
   void release_barrier() {
@@ -651,6 +693,7 @@ class Server final : public RequestHandler {
   std::vector<std::uint64_t> clocks_;
   std::vector<Gone> gone_;
   std::vector<time_point> last_seen_;
+  std::vector<std::string> lost_reason_;
   time_point last_tick_ = clock_type::now();
   std::uint64_t min_clock_ = 0;
   std::uint64_t max_clock_ = 0;

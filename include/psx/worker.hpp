@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
@@ -67,13 +68,21 @@ struct PushItem {
 //! never written after its owner let go of the handle.
 class Handle {
  public:
+  //! Sent while a wait lasts, every `heartbeat_every`, so that servers the
+  //! call does not involve still hear from the worker (peer timeouts).
+  using Heartbeat = std::function<void()>;
+
   Handle() = default;
-  explicit Handle(std::shared_ptr<Completion> done) noexcept : done_(std::move(done)) {}
+  explicit Handle(std::shared_ptr<Completion> done, Heartbeat heartbeat = {},
+                  std::chrono::milliseconds heartbeat_every = {}) noexcept
+      : done_(std::move(done)), heartbeat_(std::move(heartbeat)), every_(heartbeat_every) {}
   Handle(Handle&&) noexcept = default;
   Handle& operator=(Handle&& other) noexcept {
     if (this != &other) {
       settle();
       done_ = std::move(other.done_);
+      heartbeat_ = std::move(other.heartbeat_);
+      every_ = other.every_;
     }
     return *this;
   }
@@ -83,6 +92,8 @@ class Handle {
   void wait() {
     if (!done_) return;
     auto done = std::move(done_);
+    if (heartbeat_ && every_.count() > 0)
+      while (!done->wait_for(every_)) heartbeat_();
     done->wait();
   }
   //! True once the call finished (or for an empty handle).
@@ -98,6 +109,8 @@ class Handle {
     done_.reset();
   }
   std::shared_ptr<Completion> done_;
+  Heartbeat heartbeat_;
+  std::chrono::milliseconds every_{0};
 };
 
 namespace detail {
@@ -128,6 +141,22 @@ struct ClusterCore {
                            (known.empty() ? "none" : known) + ")");
   }
 };
+
+// Tells every server that worker `w` left, failed, or is alive; nobody waits
+// for the answer, and a cluster that shut down is not told.
+inline void announce(ClusterCore& core, std::size_t w, Op op, const std::string& reason = {}) noexcept {
+  for (std::size_t s = 0; s < core.config.num_servers; ++s) {
+    try {
+      Request r;
+      r.op = op;
+      r.worker = static_cast<std::uint32_t>(w);
+      r.clock = core.clocks[w];
+      r.reason = reason;
+      core.send(s, std::move(r));
+    } catch (...) {  // shut down: nobody is listening
+    }
+  }
+}
 
 // A completion that also owns the id and position lists its requests point into.
 struct RowsCompletion : Completion {
@@ -251,10 +280,24 @@ class Worker {
     r.done = std::make_shared<Completion>(1);
     auto done = r.done;
     core_->send(0, std::move(r));
-    done->wait();
+    handle(std::move(done)).wait();
   }
 
+  //! Leaves the cluster, as `ParameterServer::run` does when a worker
+  //! function returns: synchronous steps stop waiting for this worker. For
+  //! workers driven from threads of your own; calling it again, or after
+  //! shutdown, does nothing.
+  void leave() noexcept { detail::announce(*core_, index_, Op::leave); }
+
  private:
+  // A handle whose wait sends heartbeats when the cluster has a peer timeout.
+  Handle handle(std::shared_ptr<Completion> done) const {
+    const auto timeout = core_->config.peer_timeout;
+    if (timeout.count() <= 0) return Handle(std::move(done));
+    return Handle(std::move(done), [core = core_, index = index_] { detail::announce(*core, index, Op::heartbeat); },
+                  std::max<std::chrono::milliseconds>(timeout / 4, std::chrono::milliseconds(1)));
+  }
+
   void check_running(std::string_view op) const {
     if (core_->stopped.load(std::memory_order_acquire))
       throw shutdown_error("psx: worker " + std::to_string(index_) + ": " + std::string(op) +
@@ -286,7 +329,7 @@ class Worker {
         if (!per_server[s].items.empty()) done->finish(error);
       done->wait();
     }
-    return Handle(std::move(done));
+    return handle(std::move(done));
   }
 
   std::vector<Request> requests(Op op) const {

@@ -429,3 +429,116 @@ TEST_CASE("clusters shut down in any state") {
     CHECK_THROWS_AS(blocked.get(), psx::shutdown_error);
   }
 }
+
+TEST_CASE("a start that fails leaves nothing half-started") {
+  Watchdog dog("failed start");
+  psx::ParameterServer<psx::partition::HashByName, psx::sync::SyncReplicas<3>> ps({1, 2});
+  ps.declare(psx::dense("x", {1}));
+  CHECK_THROWS_AS(ps.start(), psx::config_error);
+  CHECK_FALSE(ps.running());
+  CHECK_THROWS_AS(ps.start(), psx::config_error);   // the same answer again, not a silent success
+  CHECK_THROWS_AS(ps.read("x"), psx::config_error);  // and nothing waits on servers that never ran
+}
+
+TEST_CASE("peer_timeout is checked") {
+  CHECK_THROWS_AS((psx::ParameterServer<>({.num_servers = 1, .num_workers = 1,
+                                           .peer_timeout = std::chrono::hours(24 * 400)})),
+                  psx::config_error);
+  CHECK_THROWS_AS((psx::ParameterServer<>({.num_servers = 1, .num_workers = 1,
+                                           .peer_timeout = std::chrono::milliseconds(-1)})),
+                  psx::config_error);
+}
+
+TEST_CASE("workers on threads of one's own leave explicitly") {
+  Watchdog dog("explicit leave");
+  psx::ParameterServer<> ps({1, 2}, {}, {}, {1.0f});
+  ps.declare(psx::dense("x", {1}));
+  auto w0 = ps.worker(0), w1 = ps.worker(1);
+  std::thread t0([&] {
+    std::vector<float> x(1), g{1.0f};
+    w0.pull("x", x);
+    w0.push("x", g);
+    w0.step();
+    w0.leave();  // done after one step
+  });
+  std::thread t1([&] {
+    std::vector<float> x(1), g{1.0f};
+    for (int t = 0; t < 3; ++t) {  // would wait for worker 0 forever without leave()
+      w1.pull("x", x);
+      w1.push("x", g);
+      w1.step();
+    }
+    w1.pull("x", x);
+  });
+  t0.join();
+  t1.join();
+  CHECK(ps.read("x")[0] == -3.0f);  // step 0: mean of 1 and 1; steps 1, 2: worker 1 alone
+}
+
+namespace {
+// A server driven by hand, as a transport between processes would drive it.
+struct HandServer {
+  std::vector<psx::VariableInfo> vars;
+  std::unique_ptr<psx::Server<psx::sync::Synchronous, psx::optim::SGD>> server;
+  explicit HandServer(psx::sync::Synchronous sync = {}) {
+    psx::VariableInfo v;
+    v.meta = psx::detail::make_meta(psx::dense("x", {4}), 0);
+    v.shards = {{0, 0, 4}};
+    vars.push_back(v);
+    server = std::make_unique<psx::Server<psx::sync::Synchronous, psx::optim::SGD>>(0, 2, vars, sync,
+                                                                                     psx::optim::SGD{1.0f});
+  }
+  // Handles `r` and returns the error it finished with ("" if none).
+  std::string send(psx::Request r) {
+    auto done = std::make_shared<psx::Completion>(1);
+    r.done = done;
+    server->handle(std::move(r));
+    REQUIRE(done->ready());
+    try {
+      done->wait();
+    } catch (const std::exception& e) {
+      return e.what();
+    }
+    return "";
+  }
+};
+psx::Request op(psx::Op o, std::uint32_t worker, std::uint64_t clock = 0) {
+  psx::Request r;
+  r.op = o;
+  r.worker = worker;
+  r.clock = clock;
+  return r;
+}
+}  // namespace
+
+TEST_CASE("a server refuses requests it cannot trust, and keeps serving") {
+  HandServer h;
+  CHECK(h.send(op(psx::Op::clock, 0, 1)).empty());
+  CHECK(h.send(op(psx::Op::clock, 0, 1'000'000'000)) == "psx: server 0: worker 0 jumped from clock 1 to 1000000000");
+  CHECK(h.send(op(psx::Op::join, 1, 99)) == "psx: server 0: worker 1 joins at clock 99, beyond every clock seen (1)");
+  CHECK(h.send(op(psx::Op::pull, 7)) == "psx: server 0: request from worker 7 of 2");
+  psx::Request bad = op(psx::Op::pull, 0, 0);
+  std::vector<float> out(3);
+  bad.items.push_back({0, 0, {}, {}, {}, out});
+  CHECK(h.send(std::move(bad)) == "psx: server 0, request from worker 0: variable 'x' shard has 4 floats, the request "
+                                  "carries 3");
+  psx::Request ghost = op(psx::Op::pull, 0, 0);
+  ghost.items.push_back({5, 0, {}, {}, {}, out});
+  CHECK(h.send(std::move(ghost)).find("which this server does not hold") != std::string::npos);
+  CHECK(h.server->stats().errors == 5);
+  std::vector<float> good(4);
+  psx::Request fine = op(psx::Op::read, 0);
+  fine.items.push_back({0, 0, {}, {}, {}, good});
+  CHECK(h.send(std::move(fine)).empty());
+}
+
+TEST_CASE("a worker declared lost is told so when it comes back") {
+  HandServer h({psx::sync::Aggregate::mean, psx::OnWorkerLost::shrink});
+  psx::Request fail = op(psx::Op::fail, 1);
+  fail.reason = "its function threw: disk full";
+  CHECK(h.send(std::move(fail)).empty());
+  CHECK(h.send(op(psx::Op::clock, 1, 1)) ==
+        "psx: server 0: worker 1 was declared lost earlier (its function threw: disk full) and is no longer served");
+  CHECK(h.send(op(psx::Op::join, 1, 0)).empty());  // a new run() admits it again
+  CHECK(h.send(op(psx::Op::clock, 1, 1)).empty());
+}

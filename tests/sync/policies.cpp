@@ -418,6 +418,31 @@ TEST_CASE("a worker that stops responding is lost after the peer timeout") {
     CHECK(waited_ms.load() >= 200);    // not before the timeout
     CHECK(waited_ms.load() < 10000);   // and not long after it
   }
+  SUBCASE("a worker blocked on one server is not lost on another: waits send heartbeats") {
+    // x on server 0, y on server 1. Worker 2 is slow but alive (a call every
+    // 60 ms, a step every 300 ms); workers 0 and 1 block waiting for it, each
+    // on one server only. Nobody must be declared lost.
+    psx::ParameterServer<psx::partition::RoundRobin> ps({.num_servers = 2, .num_workers = 3, .peer_timeout = 150ms}, {},
+                                                       {}, {1.0f});
+    ps.declare(psx::dense("x", {2}));
+    ps.declare(psx::dense("y", {2}));
+    ps.run([&](psx::Worker& w) {
+      std::vector<float> v(2), g(2, 1.0f);
+      for (int t = 0; t < 2; ++t) {
+        if (w.index() == 2) {
+          for (int i = 0; i < 5; ++i) {
+            std::this_thread::sleep_for(60ms);
+            w.pull(i % 2 ? "x" : "y", v);
+          }
+        } else {
+          w.pull(w.index() == 0 ? "y" : "x", v);
+        }
+        w.push({{"x", g}, {"y", g}});
+        w.step();
+      }
+    });
+    CHECK(ps.read("x")[0] == -2.0f);  // two steps of mean(1, 1, 1) at lr 1
+  }
   SUBCASE("SyncReplicas<2> of 3 does not even need the timeout to carry on") {
     psx::ParameterServer<psx::partition::HashByName, psx::sync::SyncReplicas<2>> ps(
         {.num_servers = 1, .num_workers = 3, .peer_timeout = 100ms});
