@@ -87,7 +87,7 @@ struct ServerStats {
   std::uint64_t bytes_out = 0;  //!< parameter payload answered
   std::uint64_t errors = 0;     //!< requests answered with an error
   std::uint64_t dropped = 0;    //!< gradients the sync policy dropped (late for their step)
-  std::uint64_t steps = 0;      //!< aggregated steps applied, summed over this server's shards
+  std::uint64_t steps = 0;      //!< steps completed (with gradients or none), summed over this server's shards
   //! `staleness[k]`: applied gradients whose staleness was k (the shard's
   //! version when applied minus the version the worker had pulled); the last
   //! bucket counts every staleness of `size() - 1` or more.
