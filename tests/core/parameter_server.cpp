@@ -10,6 +10,7 @@
 #include <cstring>
 #include <future>
 #include <random>
+#include <span>
 #include <stdexcept>
 #include <thread>
 #include <vector>
@@ -477,16 +478,20 @@ TEST_CASE("workers on threads of one's own leave explicitly") {
 
 namespace {
 // A server driven by hand, as a transport between processes would drive it.
+template <class Sync = psx::sync::Synchronous>
 struct HandServer {
   std::vector<psx::VariableInfo> vars;
-  std::unique_ptr<psx::Server<psx::sync::Synchronous, psx::optim::SGD>> server;
-  explicit HandServer(psx::sync::Synchronous sync = {}) {
-    psx::VariableInfo v;
-    v.meta = psx::detail::make_meta(psx::dense("x", {4}), 0);
-    v.shards = {{0, 0, 4}};
-    vars.push_back(v);
-    server = std::make_unique<psx::Server<psx::sync::Synchronous, psx::optim::SGD>>(0, 2, vars, sync,
-                                                                                     psx::optim::SGD{1.0f});
+  std::unique_ptr<psx::Server<Sync, psx::optim::SGD>> server;
+  explicit HandServer(Sync sync = {}) {
+    psx::VariableInfo x;
+    x.meta = psx::detail::make_meta(psx::dense("x", {4}), 0);
+    x.shards = {{0, 0, 4}};
+    vars.push_back(x);
+    psx::VariableInfo e;  // rows [0, 3) on another server, [3, 8) here
+    e.meta = psx::detail::make_meta(psx::sparse("e", 8, 2), 1);
+    e.shards = {{1, 0, 3}, {0, 3, 8}};
+    vars.push_back(e);
+    server = std::make_unique<psx::Server<Sync, psx::optim::SGD>>(0, 2, vars, sync, psx::optim::SGD{1.0f});
   }
   // Handles `r` and returns the error it finished with ("" if none).
   std::string send(psx::Request r) {
@@ -501,6 +506,16 @@ struct HandServer {
     }
     return "";
   }
+  // Everything this server holds, read without touching any clock.
+  std::vector<float> snapshot() {
+    std::vector<float> all(4 + 5 * 2);
+    psx::Request r;
+    r.op = psx::Op::read;
+    r.items.push_back({0, 0, {}, {}, {}, std::span(all).first(4)});
+    r.items.push_back({1, 1, {}, {}, {}, std::span(all).subspan(4)});
+    REQUIRE(send(std::move(r)).empty());
+    return all;
+  }
 };
 psx::Request op(psx::Op o, std::uint32_t worker, std::uint64_t clock = 0) {
   psx::Request r;
@@ -512,7 +527,7 @@ psx::Request op(psx::Op o, std::uint32_t worker, std::uint64_t clock = 0) {
 }  // namespace
 
 TEST_CASE("a server refuses requests it cannot trust, and keeps serving") {
-  HandServer h;
+  HandServer<> h;
   CHECK(h.send(op(psx::Op::clock, 0, 1)).empty());
   CHECK(h.send(op(psx::Op::clock, 0, 1'000'000'000)) == "psx: server 0: worker 0 jumped from clock 1 to 1000000000");
   CHECK(h.send(op(psx::Op::join, 1, 99)) == "psx: server 0: worker 1 joins at clock 99, beyond every clock seen (1)");
@@ -526,14 +541,57 @@ TEST_CASE("a server refuses requests it cannot trust, and keeps serving") {
   ghost.items.push_back({5, 0, {}, {}, {}, out});
   CHECK(h.send(std::move(ghost)).find("which this server does not hold") != std::string::npos);
   CHECK(h.server->stats().errors == 5);
-  std::vector<float> good(4);
-  psx::Request fine = op(psx::Op::read, 0);
-  fine.items.push_back({0, 0, {}, {}, {}, good});
-  CHECK(h.send(std::move(fine)).empty());
+  CHECK(h.snapshot().size() == 14);
+}
+
+TEST_CASE("random and malformed requests never crash a server, and a refused one changes nothing") {
+  HandServer<psx::sync::Asynchronous> h;  // pulls never wait, so every request is answered at once
+  std::mt19937_64 rng(2026);
+  auto pick = [&](std::uint64_t n) { return rng() % n; };
+  std::vector<float> buffer(64, 0.25f);
+  std::vector<std::uint64_t> ids(16);
+  std::vector<std::uint32_t> positions(16);
+  std::size_t refused = 0, applied = 0;
+  for (int i = 0; i < 3000; ++i) {
+    psx::Request r;
+    r.op = static_cast<psx::Op>(pick(12));  // valid operations and a few that are not
+    r.worker = static_cast<std::uint32_t>(pick(3));
+    r.clock = pick(4);
+    if (r.op == psx::Op::barrier) continue;  // waits for the other worker by design
+    const std::size_t items = pick(3);
+    for (std::size_t k = 0; k < items; ++k) {
+      psx::Item item;
+      item.variable = static_cast<std::uint32_t>(pick(3));
+      item.shard = static_cast<std::uint32_t>(pick(3));
+      const std::size_t n_ids = pick(5);
+      for (std::size_t j = 0; j < n_ids; ++j) {
+        ids[k * 5 + j] = pick(10);
+        positions[k * 5 + j] = static_cast<std::uint32_t>(pick(6));
+      }
+      item.ids = std::span(ids).subspan(k * 5, n_ids);
+      if (pick(2)) item.positions = std::span(positions).subspan(k * 5, pick(2) ? n_ids : pick(5));
+      const std::size_t len = pick(2) ? 4 : pick(20);
+      item.in = std::span(buffer).first(len);
+      item.out = std::span(buffer).subspan(32, len);
+      r.items.push_back(item);
+    }
+    const bool push = r.op == psx::Op::push || r.op == psx::Op::push_rows;
+    const auto before = h.snapshot();
+    const std::string error = h.send(std::move(r));
+    if (!error.empty()) {
+      ++refused;
+      CHECK_MESSAGE(error.rfind("psx: ", 0) == 0, error);
+      if (push) CHECK(h.snapshot() == before);
+    } else if (push) {
+      ++applied;
+    }
+  }
+  CHECK(refused > 500);  // most random requests are malformed
+  CHECK(applied > 10);   // and some well-formed pushes got through
 }
 
 TEST_CASE("a worker declared lost is told so when it comes back") {
-  HandServer h({psx::sync::Aggregate::mean, psx::OnWorkerLost::shrink});
+  HandServer<> h({psx::sync::Aggregate::mean, psx::OnWorkerLost::shrink});
   psx::Request fail = op(psx::Op::fail, 1);
   fail.reason = "its function threw: disk full";
   CHECK(h.send(std::move(fail)).empty());
