@@ -97,14 +97,26 @@ int main(int argc, char** argv) {
       {"BoundedStaleness<2> (SSP)", measure<psx::sync::BoundedStaleness<2>>},
       {"SyncReplicas<N-1> (1 backup)", sync_replicas},
   };
-  std::vector<std::vector<Result>> results;
-  for (const Row& row : rows) {
-    results.emplace_back();
-    for (std::size_t n : counts) results.back().push_back(row.run(n, steps));
-  }
+  // Each cell is the median of kRepeats runs; the rows are interleaved per
+  // repeat so every policy sees the machine in the same states.
+  constexpr int kRepeats = 5;
+  std::vector<std::vector<std::vector<Result>>> runs(std::size(rows),
+                                                      std::vector<std::vector<Result>>(std::size(counts)));
+  for (int rep = 0; rep < kRepeats; ++rep)
+    for (std::size_t r = 0; r < std::size(rows); ++r)
+      for (std::size_t c = 0; c < std::size(counts); ++c) runs[r][c].push_back(rows[r].run(counts[c], steps));
+  auto median = [](std::vector<Result> v, double Result::*field) {
+    std::sort(v.begin(), v.end(), [&](const Result& a, const Result& b) { return a.*field < b.*field; });
+    return v[v.size() / 2].*field;
+  };
+  std::vector<std::vector<Result>> results(std::size(rows));
+  for (std::size_t r = 0; r < std::size(rows); ++r)
+    for (std::size_t c = 0; c < std::size(counts); ++c)
+      results[r].push_back({median(runs[r][c], &Result::steps_per_s), median(runs[r][c], &Result::barrier_us)});
 
   std::printf("psx sync policies: %zu steps per worker, each a pull and a push of 64 KiB on 2 servers "
-              "(in-process), %u hardware threads\n\n", steps, std::thread::hardware_concurrency());
+              "(in-process), %u hardware threads; medians of %d runs\n\n", steps, std::thread::hardware_concurrency(),
+              kRepeats);
   std::printf("step throughput, worker-steps/s (all workers together)\n");
   std::printf("%-30s %10s %10s %10s %10s\n", "policy", "1 worker", "2", "4", "8");
   for (std::size_t r = 0; r < std::size(rows); ++r) {
