@@ -5,33 +5,61 @@
 
 #include <cstdint>
 #include <span>
+#include <type_traits>
 #include <vector>
 
 namespace {
 
-// -- the minimal conforming types of docs/concepts.md -------------------------
+// -- the minimal conforming types of docs/concepts.md (tests/docs checks they match) --
 struct AllOnServerZero {
-  std::vector<psx::Shard> place(const psx::VariableMeta& v, std::size_t) const { return {{0, 0, v.rows}}; }
+  std::vector<psx::Shard> place(const psx::VariableMeta& v, std::size_t) const {
+    return {{0, 0, v.rows}};
+  }
 };
+static_assert(psx::Partitioner<AllOnServerZero>);
+
 struct ApplyOnArrival {
   struct State {
-    psx::PushAction on_push(const psx::PushInfo&, const psx::ShardProgress&, const psx::ServerClock&) { return {}; }
-    bool may_pull(const psx::PullInfo&, const psx::ShardProgress&, const psx::ServerClock&) const { return true; }
+    psx::PushAction on_push(const psx::PushInfo&, const psx::ShardProgress&, const psx::ServerClock&) {
+      return {};
+    }
+    bool may_pull(const psx::PullInfo&, const psx::ShardProgress&, const psx::ServerClock&) const {
+      return true;
+    }
     bool step_complete(const psx::StepProgress&, const psx::ShardProgress&, const psx::ServerClock&) const {
       return false;
     }
     void finish(std::span<float>, const psx::StepProgress&, const psx::ShardProgress&, const psx::ServerClock&) const {}
-    psx::OnWorkerLost on_worker_lost(std::size_t, const psx::ServerClock&) const { return psx::OnWorkerLost::shrink; }
+    psx::OnWorkerLost on_worker_lost(std::size_t, const psx::ServerClock&) const {
+      return psx::OnWorkerLost::shrink;
+    }
   };
   State make_state(std::size_t) const { return {}; }
 };
+static_assert(psx::SyncPolicy<ApplyOnArrival>);
+
 struct PlainSGD {
   float lr = 0.01f;
   std::size_t slots() const { return 0; }
-  void update(std::span<float> w, std::span<const float> g, const psx::SlotView&, const psx::UpdateContext&) const {
-    for (std::size_t i = 0; i < w.size(); ++i) w[i] -= lr * g[i];
+  void update(std::span<float> w, std::span<const float> g, const psx::SlotView&,
+              const psx::UpdateContext& ctx) const {
+    for (std::size_t i = 0; i < w.size(); ++i) w[i] -= lr * ctx.lr_scale * g[i];
   }
 };
+static_assert(psx::Optimizer<PlainSGD>);
+
+// -- README.md and docs/sync.md ------------------------------------------------------
+using PS = psx::ParameterServer<psx::partition::RowRange,    // where rows live
+                                psx::sync::Synchronous,      // when pushes apply
+                                psx::optim::SGD,             // how gradients apply
+                                psx::transport::InProcess>;  // how requests travel
+static_assert(std::is_same_v<PS::sync_policy_type, psx::sync::Synchronous>);
+
+[[maybe_unused]] bool hybrid_example() {
+  psx::sync::Hybrid<psx::sync::Synchronous, psx::sync::Asynchronous> policy{
+      .second_names = {"embedding/*"}};  // embeddings asynchronous, the rest BSP
+  return psx::SyncPolicy<decltype(policy)> && policy.second_names.size() == 1;
+}
 
 // -- built-ins ------------------------------------------------------------------
 static_assert(psx::Partitioner<psx::partition::HashByName>);
