@@ -246,32 +246,10 @@ class ParameterServer {
   //! waiting for the sync policy (use it between runs, or to watch).
   std::vector<float> read(std::string_view name) {
     start();
-    if (core_->stopped.load()) throw shutdown_error("psx: read('" + std::string(name) + "') after shutdown");
     const VariableInfo& v = variable(name);
     std::vector<float> out(v.meta.size());
-    std::vector<Request> per_server(config().num_servers);
-    for (std::size_t k = 0; k < v.shards.size(); ++k) {
-      const Shard& sh = v.shards[k];
-      Item item;
-      item.variable = v.meta.id;
-      item.shard = static_cast<std::uint32_t>(k);
-      item.out = std::span(out).subspan(sh.row_begin * v.meta.row_width, sh.rows() * v.meta.row_width);
-      per_server[sh.server].op = Op::read;
-      per_server[sh.server].items.push_back(item);
-    }
-    std::size_t parts = 0;
-    for (auto& r : per_server) parts += !r.items.empty();
-    auto done = std::make_shared<Completion>(parts);
-    for (std::size_t s = 0; s < per_server.size(); ++s) {
-      if (per_server[s].items.empty()) continue;
-      per_server[s].done = done;
-      try {
-        core_->send(s, std::move(per_server[s]));
-      } catch (...) {
-        done->finish(std::current_exception());
-      }
-    }
-    done->wait();
+    const PullItem item{name, out};
+    Worker(*core_, 0).read_async(std::span<const PullItem>(&item, 1)).wait();
     return out;
   }
 

@@ -169,8 +169,14 @@ inline std::string floats(std::size_t n) { return std::to_string(n) + (n == 1 ? 
 
 }  // namespace detail
 
+template <class P, class S, class O, class T>
+class ParameterServer;
+
 //! One worker's handle on the cluster. Use it from one thread at a time.
 class Worker {
+  template <class P, class S, class O, class T>
+  friend class ParameterServer;
+
  public:
   Worker(detail::ClusterCore& core, std::size_t index) noexcept : core_(&core), index_(index) {}
 
@@ -298,6 +304,14 @@ class Worker {
                   std::max<std::chrono::milliseconds>(timeout / 4, std::chrono::milliseconds(1)));
   }
 
+  // Like pull_async, but the servers answer at once whatever the sync
+  // policy says and record nothing about this worker (ParameterServer::read).
+  Handle read_async(std::span<const PullItem> items) {
+    return send_dense(Op::read, items.size(), [&](std::size_t i) {
+      return std::pair{items[i].name, std::span<const float>(items[i].out)};
+    }, [&](std::size_t i) { return items[i].out; });
+  }
+
   void check_running(std::string_view op) const {
     if (core_->stopped.load(std::memory_order_acquire))
       throw shutdown_error("psx: worker " + std::to_string(index_) + ": " + std::string(op) +
@@ -351,7 +365,7 @@ class Worker {
   template <class Entry, class Out>
   Handle send_dense(Op op, std::size_t count, Entry entry, Out out_of) {
     const bool push = op == Op::push;
-    const char* verb = push ? "push" : "pull";
+    const char* verb = push ? "push" : op == Op::read ? "read" : "pull";
     check_running(verb);
     std::vector<Request> per_server = requests(op);
     for (std::size_t i = 0; i < count; ++i) {
