@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cstddef>
 #include <iterator>
+#include <ostream>
 
 namespace psx {
 inline namespace v0 {
@@ -20,6 +21,10 @@ struct ClusterConfig {
   //! longest computation a worker makes between two calls.
   std::chrono::milliseconds peer_timeout{0};
   friend bool operator==(const ClusterConfig&, const ClusterConfig&) = default;
+  friend std::ostream& operator<<(std::ostream& os, const ClusterConfig& c) {
+    return os << "ClusterConfig{servers=" << c.num_servers << ", workers=" << c.num_workers
+              << ", peer_timeout=" << c.peer_timeout.count() << "ms}";
+  }
 };
 
 //! The example indices `index, index + num_shards, index + 2 * num_shards, ...`

@@ -27,6 +27,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <ostream>
 #include <span>
 #include <type_traits>
 #include <vector>
@@ -146,6 +147,10 @@ enum class OnWorkerLost : std::uint8_t {
   fail,    //!< every waiting and later request fails with `psx::peer_lost` naming the worker
   shrink,  //!< carry on without it: the worker counts as having left
 };
+
+inline std::ostream& operator<<(std::ostream& os, OnWorkerLost o) {
+  return os << (o == OnWorkerLost::fail ? "fail" : "shrink");
+}
 
 //! What a transport is told about the cluster it connects.
 struct TransportContext {

@@ -5,6 +5,7 @@
 #include <psx/concepts.hpp>
 
 #include <cstddef>
+#include <ostream>
 #include <span>
 
 namespace psx {
@@ -27,6 +28,7 @@ struct SGD {
     for (std::size_t i = 0; i < n; ++i) wp[i] -= step * gp[i];
   }
   friend bool operator==(const SGD&, const SGD&) = default;
+  friend std::ostream& operator<<(std::ostream& os, const SGD& o) { return os << "SGD{lr=" << o.lr << '}'; }
 };
 static_assert(Optimizer<SGD>);
 

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <ostream>
 #include <vector>
 
 namespace psx {
@@ -21,6 +22,7 @@ struct HashByName {
     return {{static_cast<std::size_t>(detail::fnv1a64(v.name) % num_servers), 0, v.rows}};
   }
   friend bool operator==(const HashByName&, const HashByName&) = default;
+  friend std::ostream& operator<<(std::ostream& os, const HashByName&) { return os << "HashByName"; }
 };
 static_assert(Partitioner<HashByName>);
 
@@ -31,6 +33,7 @@ struct RoundRobin {
     return {{v.id % num_servers, 0, v.rows}};
   }
   friend bool operator==(const RoundRobin&, const RoundRobin&) = default;
+  friend std::ostream& operator<<(std::ostream& os, const RoundRobin&) { return os << "RoundRobin"; }
 };
 static_assert(Partitioner<RoundRobin>);
 
@@ -56,6 +59,9 @@ struct RowRange {
     return shards;
   }
   friend bool operator==(const RowRange&, const RowRange&) = default;
+  friend std::ostream& operator<<(std::ostream& os, const RowRange& p) {
+    return os << "RowRange{min_rows=" << p.min_rows << '}';
+  }
 };
 static_assert(Partitioner<RowRange>);
 

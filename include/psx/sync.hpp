@@ -108,6 +108,9 @@ struct Synchronous {
 
   detail::ClockedSteps make_state(std::size_t) const { return {0, aggregate, on_worker_lost}; }
   friend bool operator==(const Synchronous&, const Synchronous&) = default;
+  friend std::ostream& operator<<(std::ostream& os, const Synchronous& p) {
+    return os << "Synchronous{" << p.aggregate << ", on_worker_lost=" << p.on_worker_lost << '}';
+  }
 };
 static_assert(SyncPolicy<Synchronous>);
 
@@ -132,6 +135,12 @@ struct BoundedStaleness {
             on_worker_lost};
   }
   friend bool operator==(const BoundedStaleness&, const BoundedStaleness&) = default;
+  friend std::ostream& operator<<(std::ostream& os, const BoundedStaleness& p) {
+    os << "BoundedStaleness<";
+    if (K == unbounded) os << "unbounded";
+    else os << K;
+    return os << ">{" << p.aggregate << ", on_worker_lost=" << p.on_worker_lost << '}';
+  }
 };
 static_assert(SyncPolicy<BoundedStaleness<2>>);
 
@@ -188,6 +197,9 @@ struct SyncReplicas {
     return {aggregate};
   }
   friend bool operator==(const SyncReplicas&, const SyncReplicas&) = default;
+  friend std::ostream& operator<<(std::ostream& os, const SyncReplicas& p) {
+    return os << "SyncReplicas<" << M << ">{" << p.aggregate << '}';
+  }
 };
 static_assert(SyncPolicy<SyncReplicas<2>>);
 
@@ -228,6 +240,10 @@ struct Asynchronous {
 
   State make_state(std::size_t) const { return {staleness_scaled_lr, delay_compensation}; }
   friend bool operator==(const Asynchronous&, const Asynchronous&) = default;
+  friend std::ostream& operator<<(std::ostream& os, const Asynchronous& p) {
+    return os << "Asynchronous{staleness_scaled_lr=" << (p.staleness_scaled_lr ? "true" : "false")
+              << ", delay_compensation=" << p.delay_compensation << '}';
+  }
 };
 static_assert(SyncPolicy<Asynchronous>);
 
@@ -304,6 +320,13 @@ struct Hybrid {
 
   State make_state(std::size_t num_workers) const {
     return {first.make_state(num_workers), second.make_state(num_workers), second_names, second_group, {}};
+  }
+  friend bool operator==(const Hybrid&, const Hybrid&) = default;
+  friend std::ostream& operator<<(std::ostream& os, const Hybrid& p) {
+    os << "Hybrid{" << p.first << ", " << p.second << " for";
+    for (const auto& n : p.second_names) os << " '" << n << '\'';
+    if (!p.second_group.empty()) os << " group '" << p.second_group << '\'';
+    return os << '}';
   }
 };
 

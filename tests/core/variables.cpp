@@ -7,6 +7,7 @@
 #include <cmath>
 #include <numeric>
 #include <set>
+#include <sstream>
 #include <vector>
 
 using psx_test::message_of;
@@ -161,4 +162,28 @@ TEST_CASE("ShardRange splits a data set like tf.data's shard") {
   for (std::size_t i = 0; i < 5; ++i)
     for (std::size_t k : psx::ShardRange(103, 5, i)) ++seen[k];
   CHECK(std::all_of(seen.begin(), seen.end(), [](int c) { return c == 1; }));
+}
+
+TEST_CASE("policy values print what they are") {
+  auto str = [](const auto& v) {
+    std::ostringstream os;
+    os << v;
+    return os.str();
+  };
+  CHECK(str(psx::partition::HashByName{}) == "HashByName");
+  CHECK(str(psx::partition::RowRange{.min_rows = 8}) == "RowRange{min_rows=8}");
+  CHECK(str(psx::sync::Synchronous{}) == "Synchronous{mean, on_worker_lost=fail}");
+  CHECK(str(psx::sync::BoundedStaleness<2>{psx::sync::Aggregate::sum, psx::OnWorkerLost::shrink}) ==
+        "BoundedStaleness<2>{sum, on_worker_lost=shrink}");
+  CHECK(str(psx::sync::BoundedStaleness<psx::sync::unbounded>{}) ==
+        "BoundedStaleness<unbounded>{mean, on_worker_lost=fail}");
+  CHECK(str(psx::sync::SyncReplicas<3>{}) == "SyncReplicas<3>{mean}");
+  CHECK(str(psx::sync::Asynchronous{true, 0.5f}) == "Asynchronous{staleness_scaled_lr=true, delay_compensation=0.5}");
+  psx::sync::Hybrid<psx::sync::Synchronous, psx::sync::Asynchronous> h{.second_names = {"emb/*"}};
+  CHECK(str(h) == "Hybrid{Synchronous{mean, on_worker_lost=fail}, "
+                  "Asynchronous{staleness_scaled_lr=false, delay_compensation=0} for 'emb/*'}");
+  CHECK(h == h);
+  CHECK(str(psx::optim::SGD{0.25f}) == "SGD{lr=0.25}");
+  CHECK(str(psx::transport::InProcess{}) == "InProcess");
+  CHECK(str(psx::ClusterConfig{2, 4}) == "ClusterConfig{servers=2, workers=4, peer_timeout=0ms}");
 }

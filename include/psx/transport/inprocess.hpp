@@ -11,6 +11,7 @@
 #include <cstddef>
 #include <exception>
 #include <memory>
+#include <ostream>
 #include <string>
 #include <vector>
 
@@ -63,6 +64,7 @@ struct InProcess {
     return std::make_unique<link_type>(ctx.num_servers);
   }
   friend bool operator==(const InProcess&, const InProcess&) = default;
+  friend std::ostream& operator<<(std::ostream& os, const InProcess&) { return os << "InProcess"; }
 };
 static_assert(Transport<InProcess>);
 
