@@ -195,18 +195,20 @@ class ParameterServer {
         try {
           fn(worker);
           detail::announce(*core_, w, Op::leave);
-        } catch (const std::exception& e) {
-          {
-            std::lock_guard lock(mu);
-            if (!first) first = std::current_exception();
-          }
-          detail::announce(*core_, w, Op::fail, std::string("its function threw: ") + e.what());
         } catch (...) {
+          auto error = std::current_exception();
           {
             std::lock_guard lock(mu);
-            if (!first) first = std::current_exception();
+            if (!first) first = error;
           }
-          detail::announce(*core_, w, Op::fail, "its function threw a non-standard exception");
+          std::string reason = "its function threw a non-standard exception";
+          try {
+            std::rethrow_exception(error);
+          } catch (const std::exception& e) {
+            reason = std::string("its function threw: ") + e.what();
+          } catch (...) {
+          }
+          detail::announce(*core_, w, Op::fail, reason);
         }
       });
     }

@@ -420,14 +420,8 @@ class Server final : public RequestHandler {
             apply_rows(s, scratch_, actions[i].lr_scale);
           } else if (compensates(s) && !wv.pulled.empty()) {
             compensated_.assign(item.in.begin(), item.in.end());
-            const std::size_t width = s.width();
-            for (std::size_t row = 0; row < s.shard.rows(); ++row) {
-              if (!wv.pulled_rows[row]) continue;  // never read: nothing to compensate for
-              const std::size_t at = row * width;
-              compensate_span(s, std::span<float>(compensated_.data() + at, width),
-                              std::span<const float>(s.params.data() + at, width),
-                              std::span<const float>(wv.pulled.data() + at, width));
-            }
+            for (std::size_t row = 0; row < s.shard.rows(); ++row)
+              compensate_row(s, compensated_.data() + row * s.width(), row, wv);
             apply_dense(s, compensated_, actions[i].lr_scale);
           } else {
             apply_dense(s, item.in, actions[i].lr_scale);
@@ -465,20 +459,20 @@ class Server final : public RequestHandler {
     }
   }
 
-  void compensate_span(const ShardState& s, std::span<float> g, std::span<const float> now,
-                       std::span<const float> pulled) const {
-    if constexpr (detail::has_compensation<SyncStateT>) sync_.compensate(s.var->meta, g, now, pulled);
+  // Rewrites gradient row `g` of shard row `row` from what worker `wv` read
+  // of it (delay compensation); a row it never read is left as it is.
+  void compensate_row(const ShardState& s, float* g, std::size_t row, const WorkerView& wv) const {
+    if (!wv.pulled_rows[row]) return;
+    const std::size_t width = s.width();
+    if constexpr (detail::has_compensation<SyncStateT>)
+      sync_.compensate(s.var->meta, std::span<float>(g, width),
+                       std::span<const float>(s.params.data() + row * width, width),
+                       std::span<const float>(wv.pulled.data() + row * width, width));
   }
 
   void compensate_rows(const ShardState& s, detail::RowAccumulator& rows, const WorkerView& wv) const {
-    const std::size_t width = s.width();
-    for (std::size_t k = 0; k < rows.rows().size(); ++k) {
-      const std::size_t row = rows.rows()[k];
-      if (!wv.pulled_rows[row]) continue;  // never read: nothing to compensate for
-      compensate_span(s, std::span<float>(rows.data().data() + k * width, width),
-                      std::span<const float>(s.params.data() + row * width, width),
-                      std::span<const float>(wv.pulled.data() + row * width, width));
-    }
+    for (std::size_t k = 0; k < rows.rows().size(); ++k)
+      compensate_row(s, rows.data().data() + k * s.width(), rows.rows()[k], wv);
   }
 
   void add_rows(const ShardState& s, detail::Contribution& c, const Item& item) const {

@@ -312,6 +312,13 @@ class Worker {
     }, [&](std::size_t i) { return items[i].out; });
   }
 
+  void check_trainable(const VariableInfo& v, std::string_view verb) const {
+    if (!v.trainable)
+      throw frozen_variable("psx: worker " + std::to_string(index_) + ": " + std::string(verb) + " to variable '" +
+                            v.meta.name + "' of shape " + detail::shape_string(v.meta.shape) +
+                            ", which is frozen (trainable = false)");
+  }
+
   void check_running(std::string_view op) const {
     if (core_->stopped.load(std::memory_order_acquire))
       throw shutdown_error("psx: worker " + std::to_string(index_) + ": " + std::string(op) +
@@ -375,10 +382,7 @@ class Worker {
         throw shape_error("psx: worker " + std::to_string(index_) + ": " + verb + " of variable '" + v.meta.name +
                           "' of shape " + detail::shape_string(v.meta.shape) + " (" +
                           detail::floats(v.meta.size()) + ") with a buffer of " + detail::floats(buffer.size()));
-      if (push && !v.trainable)
-        throw frozen_variable("psx: worker " + std::to_string(index_) + ": push to variable '" + v.meta.name +
-                              "' of shape " + detail::shape_string(v.meta.shape) +
-                              ", which is frozen (trainable = false)");
+      if (push) check_trainable(v, verb);
       std::span<float> out = out_of(i);
       for (std::size_t k = 0; k < v.shards.size(); ++k) {
         const Shard& sh = v.shards[k];
@@ -417,10 +421,7 @@ class Worker {
         throw row_out_of_range("psx: worker " + std::to_string(index_) + ": " + verb + " of variable '" +
                                v.meta.name + "' (" + std::to_string(v.meta.rows) + " rows): row id " +
                                std::to_string(ids[j]) + " at position " + std::to_string(j) + " is out of range");
-    if (push && !v.trainable)
-      throw frozen_variable("psx: worker " + std::to_string(index_) + ": push_rows to variable '" + v.meta.name +
-                            "' of shape " + detail::shape_string(v.meta.shape) +
-                            ", which is frozen (trainable = false)");
+    if (push) check_trainable(v, verb);
 
     std::vector<Request> per_server = requests(op);
     auto make_item = [&](std::size_t k, std::span<const std::uint64_t> item_ids,
