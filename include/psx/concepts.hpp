@@ -63,12 +63,21 @@ class SlotView {
 
 //! What an optimizer knows about the update it applies.
 struct UpdateContext {
-  //! 1-based count of updates applied to this shard, this one included.
+  //! 1-based count of updates applied to this shard, this one included: the
+  //! `t` of bias corrections.
   std::uint64_t step = 1;
-  //! Factor the sync policy applies to the learning rate (1 by default).
-  float lr_scale = 1.0f;
+  //! Factor on the learning rate: the sync policy's, times a schedule's
+  //! (`psx::optim::Scheduled`); 1 by default.
+  double lr_scale = 1.0;
   //! The variable being updated.
   const VariableMeta* variable = nullptr;
+  //! 1-based training step this update belongs to: the aggregated step + 1
+  //! for aggregating policies, the pushing worker's clock + 1 for a push
+  //! applied on arrival. Schedules are evaluated at `global_step - 1`.
+  std::uint64_t global_step = 1;
+  //! True for a row push: `w`, `g` and the slots are one row, and only the
+  //! pushed rows are updated (lazy semantics).
+  bool rows = false;
 };
 
 //! One shard as a sync policy sees it.
@@ -337,7 +346,27 @@ concept has_slots = requires(const O& o) {
 template <class O>
 concept has_update = requires(const O& o, std::span<float> w, std::span<const float> g,
                               const SlotView& s, const UpdateContext& ctx) { o.update(w, g, s, ctx); };
+template <class O>
+concept has_initial_slot = requires(const O& o, std::size_t k) {
+  { o.initial_slot(k) } -> std::convertible_to<float>;
+};
+template <class O>
+concept has_validate = requires(const O& o, const VariableMeta& v, std::size_t shards) { o.validate(v, shards); };
 }  // namespace detail
+
+//! The value slot `k` of optimizer `o` starts from (0 unless `o` says).
+template <class O>
+float initial_slot(const O& o, std::size_t k) {
+  if constexpr (detail::has_initial_slot<O>) return static_cast<float>(o.initial_slot(k));
+  else return 0.0f;
+}
+
+//! Lets optimizer `o` refuse variable `v`, split into `shards` shards
+//! (throws psx::config_error); accepts everything unless `o` says.
+template <class O>
+void validate_optimizer(const O& o, const VariableMeta& v, std::size_t shards) {
+  if constexpr (detail::has_validate<O>) o.validate(v, shards);
+}
 
 //! Turns gradients into new parameters on a server.
 //!
@@ -348,7 +377,15 @@ concept has_update = requires(const O& o, std::span<float> w, std::span<const fl
 //!  3. `o.update(w, g, slots, ctx)` (const) updates parameters `w` in place
 //!     from gradient `g` (same length) and `slots.size() == o.slots()` state
 //!     spans aligned with `w`. Dense pushes call it once per shard; row
-//!     pushes once per touched row, with `w`, `g` and the slots being that row.
+//!     pushes once per touched row, with `w`, `g` and the slots being that row
+//!     and `ctx.rows` set.
+//!
+//! Optional members:
+//!  - `float initial_slot(std::size_t k) const`: the value slot k starts from
+//!    (0 without it), e.g. Adagrad's initial accumulator;
+//!  - `void validate(const psx::VariableMeta& v, std::size_t shards) const`:
+//!    throws psx::config_error to refuse a variable at `declare`, e.g. LAMB
+//!    refusing a variable split across servers.
 //!
 //! @code
 //! struct PlainSGD {
@@ -356,7 +393,7 @@ concept has_update = requires(const O& o, std::span<float> w, std::span<const fl
 //!   std::size_t slots() const { return 0; }
 //!   void update(std::span<float> w, std::span<const float> g, const psx::SlotView&,
 //!               const psx::UpdateContext& ctx) const {
-//!     for (std::size_t i = 0; i < w.size(); ++i) w[i] -= lr * ctx.lr_scale * g[i];
+//!     for (std::size_t i = 0; i < w.size(); ++i) w[i] -= static_cast<float>(lr * ctx.lr_scale) * g[i];
 //!   }
 //! };
 //! static_assert(psx::Optimizer<PlainSGD>);

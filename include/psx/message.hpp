@@ -56,6 +56,9 @@ struct Item {
   std::span<const float> in;
   //! Pull: where the values go.
   std::span<float> out;
+  //! Pull of a bfloat16/float16 variable's 16-bit copy: where its bits go
+  //! (instead of `out`).
+  std::span<std::uint16_t> out16;
 };
 
 //! Shared state of one user-level call, possibly fanned out to several

@@ -84,7 +84,8 @@ class ParameterServer {
 
   //! Declares a variable and places it. Only before `start()`/`run()`.
   //! Throws `psx::duplicate_variable`, `psx::shape_error`, or `psx::config_error`
-  //! (after start, or when the partitioner's placement does not tile the rows).
+  //! (after start, when the partitioner's placement does not tile the rows,
+  //! or when the optimizer refuses the variable, e.g. LAMB and a split variable).
   const VariableInfo& declare(VariableSpec spec) {
     if (core_->by_name.contains(spec.name))
       throw duplicate_variable("psx: variable '" + spec.name + "' is already declared (shape " +
@@ -98,6 +99,7 @@ class ParameterServer {
     info.trainable = spec.trainable;
     info.shards = partitioner_.place(info.meta, config().num_servers);
     detail::check_placement(info.meta, info.shards, config().num_servers);
+    validate_optimizer(optimizer_, info.meta, info.shards.size());
     core_->by_name.emplace(info.meta.name, info.meta.id);
     core_->variables.push_back(std::move(info));
     return core_->variables.back();
@@ -239,6 +241,8 @@ class ParameterServer {
       total.errors += one.errors;
       total.dropped += one.dropped;
       total.steps += one.steps;
+      total.parameter_bytes += one.parameter_bytes;
+      total.slot_bytes += one.slot_bytes;
       for (std::size_t k = 0; k < one.staleness.size(); ++k) total.staleness[k] += one.staleness[k];
     }
     return total;

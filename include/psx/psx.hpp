@@ -12,10 +12,12 @@
 #include <psx/cluster.hpp>
 #include <psx/concepts.hpp>
 #include <psx/errors.hpp>
+#include <psx/half.hpp>
 #include <psx/message.hpp>
 #include <psx/optim.hpp>
 #include <psx/parameter_server.hpp>
 #include <psx/partition.hpp>
+#include <psx/schedule.hpp>
 #include <psx/server.hpp>
 #include <psx/sync.hpp>
 #include <psx/transport/inprocess.hpp>

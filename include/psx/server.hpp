@@ -92,6 +92,8 @@ struct ServerStats {
   //! version when applied minus the version the worker had pulled); the last
   //! bucket counts every staleness of `size() - 1` or more.
   std::vector<std::uint64_t> staleness;
+  std::uint64_t parameter_bytes = 0;  //!< parameters held: float32 masters plus 16-bit copies
+  std::uint64_t slot_bytes = 0;       //!< optimizer state held beside them
 };
 
 //! Number of staleness histogram buckets.
@@ -119,7 +121,12 @@ class Server final : public RequestHandler {
     for (const VariableInfo& v : variables) {
       shards_[v.meta.id].resize(v.shards.size());
       for (std::size_t k = 0; k < v.shards.size(); ++k)
-        if (v.shards[k].server == index) shards_[v.meta.id][k] = make_shard(v, k);
+        if (v.shards[k].server == index) {
+          shards_[v.meta.id][k] = make_shard(v, k);
+          const ShardState& sh = *shards_[v.meta.id][k];
+          parameter_bytes_ += sh.params.size() * sizeof(float) + sh.low.size() * sizeof(std::uint16_t);
+          slot_bytes_ += sh.slots.size() * sizeof(float);
+        }
     }
     recount();
   }
@@ -172,6 +179,8 @@ class Server final : public RequestHandler {
                    get(errors_),   get(dropped_), get(steps_), {}};
     st.staleness.reserve(staleness_buckets);
     for (const auto& b : staleness_) st.staleness.push_back(get(b));
+    st.parameter_bytes = parameter_bytes_;
+    st.slot_bytes = slot_bytes_;
     return st;
   }
 
@@ -194,6 +203,7 @@ class Server final : public RequestHandler {
     std::vector<float> params;
     std::vector<float> slots;
     std::vector<float*> slot_bases;
+    std::vector<std::uint16_t> low;  // the 16-bit copy of a bfloat16/float16 variable
     std::uint64_t version = 0;
     std::uint64_t applied_steps = 0;
     std::vector<WorkerView> workers;
@@ -216,9 +226,16 @@ class Server final : public RequestHandler {
     s->params.resize(n);
     v.init.fill(v.meta.name, s->shard.row_begin * width, s->params);
     const std::size_t num_slots = optimizer_.slots();
-    s->slots.assign(num_slots * n, 0.0f);
-    for (std::size_t j = 0; j < num_slots; ++j) s->slot_bases.push_back(s->slots.data() + j * n);
+    s->slots.resize(num_slots * n);
+    for (std::size_t j = 0; j < num_slots; ++j) {
+      s->slot_bases.push_back(s->slots.data() + j * n);
+      std::fill_n(s->slot_bases.back(), n, initial_slot(optimizer_, j));
+    }
     s->workers.resize(clocks_.size());
+    if (v.meta.dtype != DType::float32) {
+      s->low.resize(n);
+      detail::to_low(v.meta.dtype, s->params.data(), s->low.data(), n);
+    }
     return s;
   }
 
@@ -251,8 +268,12 @@ class Server final : public RequestHandler {
   ShardState& checked(const Request& r, const Item& item, bool rows, bool push) {
     ShardState& s = shard_for(r, item);
     const std::size_t width = s.width();
-    const std::size_t got = push ? item.in.size() : item.out.size();
+    const bool low = !push && !item.out16.empty();
+    const std::size_t got = push ? item.in.size() : low ? item.out16.size() : item.out.size();
     const std::string& name = s.var->meta.name;
+    if (low && s.low.empty())
+      throw wire_error("psx: " + where(r) + ": a 16-bit pull of variable '" + name + "', which is stored as " +
+                       dtype_name(s.var->meta.dtype));
     if (!rows) {
       if (got != s.params.size())
         throw wire_error("psx: " + where(r) + ": variable '" + name + "' shard has " +
@@ -342,7 +363,9 @@ class Server final : public RequestHandler {
       ShardState& s = shard_for(r, item);
       const std::size_t width = s.width();
       const bool compensating = r.op != Op::read && compensates(s);
-      count(bytes_out_, (rows ? item.ids.size() * width : item.out.size()) * sizeof(float));
+      const bool low = !item.out16.empty();
+      const std::size_t elem = low ? sizeof(std::uint16_t) : sizeof(float);
+      count(bytes_out_, (rows ? item.ids.size() * width : low ? item.out16.size() : item.out.size()) * elem);
       WorkerView* wv = r.op == Op::read ? nullptr : &s.workers[r.worker];
       if (wv) {
         wv->pulled_version = s.version;
@@ -352,7 +375,9 @@ class Server final : public RequestHandler {
           wv->pulled_rows.assign(s.shard.rows(), false);
         }
       }
-      if (!rows) {
+      if (!rows && low) {
+        std::memcpy(item.out16.data(), s.low.data(), s.low.size() * sizeof(std::uint16_t));
+      } else if (!rows) {
         std::memcpy(item.out.data(), s.params.data(), s.params.size() * sizeof(float));
         if (compensating) {
           std::memcpy(wv->pulled.data(), s.params.data(), s.params.size() * sizeof(float));
@@ -365,7 +390,8 @@ class Server final : public RequestHandler {
       for (std::size_t j = 0; j < item.ids.size(); ++j) {
         const std::size_t pos = item.positions.empty() ? j : item.positions[j];
         const std::size_t row = item.ids[j] - first;
-        detail::copy_floats(item.out.data() + pos * width, base + row * width, width);
+        if (low) std::memcpy(item.out16.data() + pos * width, s.low.data() + row * width, width * sizeof(std::uint16_t));
+        else detail::copy_floats(item.out.data() + pos * width, base + row * width, width);
         if (compensating) {
           detail::copy_floats(wv->pulled.data() + row * width, base + row * width, width);
           wv->pulled_rows[row] = true;
@@ -417,14 +443,14 @@ class Server final : public RequestHandler {
           if (rows) {
             scratch_rows(s, item);
             if (compensates(s) && !wv.pulled.empty()) compensate_rows(s, scratch_, wv);
-            apply_rows(s, scratch_, actions[i].lr_scale);
+            apply_rows(s, scratch_, actions[i].lr_scale, r.clock + 1);
           } else if (compensates(s) && !wv.pulled.empty()) {
             compensated_.assign(item.in.begin(), item.in.end());
             for (std::size_t row = 0; row < s.shard.rows(); ++row)
               compensate_row(s, compensated_.data() + row * s.width(), row, wv);
-            apply_dense(s, compensated_, actions[i].lr_scale);
+            apply_dense(s, compensated_, actions[i].lr_scale, r.clock + 1);
           } else {
-            apply_dense(s, item.in, actions[i].lr_scale);
+            apply_dense(s, item.in, actions[i].lr_scale, r.clock + 1);
           }
           break;
         case PushAction::Kind::drop:
@@ -508,18 +534,20 @@ class Server final : public RequestHandler {
     }
   }
 
-  void apply_dense(ShardState& s, std::span<const float> g, float lr_scale) {
-    const UpdateContext ctx{++s.version, lr_scale, &s.var->meta};
+  void apply_dense(ShardState& s, std::span<const float> g, double lr_scale, std::uint64_t global_step) {
+    const UpdateContext ctx{++s.version, lr_scale, &s.var->meta, global_step, false};
     optimizer_.update(s.params, g, s.slot_view(0, s.params.size()), ctx);
+    if (!s.low.empty()) detail::to_low(s.var->meta.dtype, s.params.data(), s.low.data(), s.params.size());
   }
 
-  void apply_rows(ShardState& s, const detail::RowAccumulator& rows, float lr_scale) {
-    const UpdateContext ctx{++s.version, lr_scale, &s.var->meta};
+  void apply_rows(ShardState& s, const detail::RowAccumulator& rows, double lr_scale, std::uint64_t global_step) {
+    const UpdateContext ctx{++s.version, lr_scale, &s.var->meta, global_step, true};
     const std::size_t width = s.width();
     for (std::size_t k = 0; k < rows.rows().size(); ++k) {
       const std::size_t offset = rows.rows()[k] * width;
       optimizer_.update(std::span<float>(s.params.data() + offset, width),
                         std::span<const float>(rows.row_data(k), width), s.slot_view(offset, width), ctx);
+      if (!s.low.empty()) detail::to_low(s.var->meta.dtype, s.params.data() + offset, s.low.data() + offset, width);
     }
   }
 
@@ -565,13 +593,13 @@ class Server final : public RequestHandler {
         }
       }
       sync_.finish(sum, step, s.progress(), server_clock());
-      apply_dense(s, sum, 1.0f);
+      apply_dense(s, sum, 1.0, step.step + 1);
     } else {
       detail::RowAccumulator sum(s.width());
       for (auto& c : by_worker)
         for (std::size_t k = 0; k < c.rows.rows().size(); ++k) sum.add(c.rows.rows()[k], c.rows.row_data(k));
       sync_.finish(sum.data(), step, s.progress(), server_clock());
-      apply_rows(s, sum, 1.0f);
+      apply_rows(s, sum, 1.0, step.step + 1);
     }
     s.pending.erase(it);
   }
@@ -682,6 +710,8 @@ class Server final : public RequestHandler {
   std::array<std::atomic<std::uint64_t>, staleness_buckets> staleness_{};
   SyncStateT sync_;
   O optimizer_;
+  std::uint64_t parameter_bytes_ = 0;  // set in the constructor, read-only after
+  std::uint64_t slot_bytes_ = 0;
   std::chrono::milliseconds peer_timeout_;
   std::vector<std::vector<std::unique_ptr<ShardState>>> shards_;  // [variable][shard]; null where not ours
   std::vector<std::uint64_t> clocks_;

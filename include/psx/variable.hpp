@@ -7,6 +7,7 @@
 #include <psx/detail/hash.hpp>
 #include <psx/detail/span.hpp>
 #include <psx/errors.hpp>
+#include <psx/half.hpp>
 
 #include <algorithm>
 #include <cmath>
@@ -21,9 +22,6 @@
 
 namespace psx {
 inline namespace v0 {
-
-//! Element type of a variable. float32 is the only one so far.
-enum class DType : std::uint8_t { float32 };
 
 //! Dense variables are pulled and pushed whole; sparse ones (embedding
 //! tables) by row id as well.
@@ -128,6 +126,8 @@ struct VariableSpec {
   Initializer init = Initializer::zeros();
   //! A frozen variable (`false`) is served but never updated; pushing to it throws.
   bool trainable = true;
+  //! Storage on the server: float32, or bfloat16/float16 with a float32
+  //! master copy (mixed precision, see psx/half.hpp).
   DType dtype = DType::float32;
   //! A free-form group a sync policy may route on (see `sync::Hybrid`).
   std::string sync_group = {};
@@ -157,6 +157,8 @@ struct VariableMeta {
   std::size_t rows = 0;
   //! Floats per row.
   std::size_t row_width = 0;
+  //! From `VariableSpec::dtype`.
+  DType dtype = DType::float32;
 
   std::size_t size() const noexcept { return rows * row_width; }
   std::size_t bytes() const noexcept { return size() * sizeof(float); }
@@ -219,6 +221,10 @@ inline VariableMeta make_meta(const VariableSpec& spec, std::uint32_t id) {
   m.id = id;
   m.rows = spec.shape.empty() ? 1 : spec.shape[0];
   m.row_width = total / m.rows;
+  m.dtype = spec.dtype;
+  if (m.dtype != DType::float32 && m.dtype != DType::bfloat16 && m.dtype != DType::float16)
+    throw config_error("psx: variable '" + spec.name + "' has an unknown dtype " +
+                       std::to_string(static_cast<int>(m.dtype)));
   return m;
 }
 

@@ -205,9 +205,27 @@ class Worker {
   //! Pulls several variables: one message per server, whatever their number.
   void pull(std::initializer_list<PullItem> items) { pull_async(std::span(items.begin(), items.size())).wait(); }
   Handle pull_async(std::span<const PullItem> items) {
-    return send_dense(Op::pull, items.size(), [&](std::size_t i) {
-      return std::pair{items[i].name, std::span<const float>(items[i].out)};
-    }, [&](std::size_t i) { return items[i].out; });
+    return send_dense(Op::pull, items.size(), [&](std::size_t i) { return std::pair{items[i].name, items[i].out.size()}; },
+                      [&](std::size_t i, Item& item, std::size_t first, std::size_t n) {
+                        item.out = items[i].out.subspan(first, n);
+                      });
+  }
+
+  //! Copies the 16-bit copy of a bfloat16 or float16 variable (mixed
+  //! precision) into `out`; `T` must be the variable's dtype (psx::shape_error
+  //! otherwise). A float pull of such a variable returns its float32 master.
+  template <class T>
+    requires std::same_as<T, bfloat16> || std::same_as<T, float16>
+  void pull(std::string_view name, std::span<T> out) { pull_async(name, out).wait(); }
+  template <class T>
+    requires std::same_as<T, bfloat16> || std::same_as<T, float16>
+  Handle pull_async(std::string_view name, std::span<T> out) {
+    check_dtype(name, T::dtype, "pull");
+    const auto bits = as_bits(out);
+    return send_dense(Op::pull, 1, [&](std::size_t) { return std::pair{name, out.size()}; },
+                      [&](std::size_t, Item& item, std::size_t first, std::size_t n) {
+                        item.out16 = bits.subspan(first, n);
+                      });
   }
 
   //! Pushes a gradient for the whole variable `name` (row-major, exactly its size).
@@ -219,9 +237,10 @@ class Worker {
   //! Pushes several variables: one message per server, whatever their number.
   void push(std::initializer_list<PushItem> items) { push_async(std::span(items.begin(), items.size())).wait(); }
   Handle push_async(std::span<const PushItem> items) {
-    return send_dense(Op::push, items.size(), [&](std::size_t i) {
-      return std::pair{items[i].name, items[i].grad};
-    }, [](std::size_t) { return std::span<float>(); });
+    return send_dense(Op::push, items.size(), [&](std::size_t i) { return std::pair{items[i].name, items[i].grad.size()}; },
+                      [&](std::size_t i, Item& item, std::size_t first, std::size_t n) {
+                        item.in = items[i].grad.subspan(first, n);
+                      });
   }
 
   //! Pulls into a tensor (`psx::tensor_traits`): its shape must be the
@@ -246,7 +265,20 @@ class Worker {
     pull_rows_async(name, ids, out).wait();
   }
   Handle pull_rows_async(std::string_view name, std::span<const std::uint64_t> ids, std::span<float> out) {
-    return send_rows(Op::pull_rows, name, ids, std::span<const float>(out), out);
+    return send_rows(Op::pull_rows, name, ids, {}, out, {});
+  }
+  //! Copies rows of a bfloat16 or float16 variable's 16-bit copy; `T` must be
+  //! the variable's dtype.
+  template <class T>
+    requires std::same_as<T, bfloat16> || std::same_as<T, float16>
+  void pull_rows(std::string_view name, std::span<const std::uint64_t> ids, std::span<T> out) {
+    pull_rows_async(name, ids, out).wait();
+  }
+  template <class T>
+    requires std::same_as<T, bfloat16> || std::same_as<T, float16>
+  Handle pull_rows_async(std::string_view name, std::span<const std::uint64_t> ids, std::span<T> out) {
+    check_dtype(name, T::dtype, "pull_rows");
+    return send_rows(Op::pull_rows, name, ids, {}, {}, as_bits(out));
   }
 
   //! Pushes gradient rows: row `j` of `grads` is the gradient of row `ids[j]`.
@@ -255,7 +287,7 @@ class Worker {
     push_rows_async(name, ids, grads).wait();
   }
   Handle push_rows_async(std::string_view name, std::span<const std::uint64_t> ids, std::span<const float> grads) {
-    return send_rows(Op::push_rows, name, ids, grads, {});
+    return send_rows(Op::push_rows, name, ids, grads, {}, {});
   }
 
   // -- progress --------------------------------------------------------------
@@ -307,9 +339,10 @@ class Worker {
   // Like pull_async, but the servers answer at once whatever the sync
   // policy says and record nothing about this worker (ParameterServer::read).
   Handle read_async(std::span<const PullItem> items) {
-    return send_dense(Op::read, items.size(), [&](std::size_t i) {
-      return std::pair{items[i].name, std::span<const float>(items[i].out)};
-    }, [&](std::size_t i) { return items[i].out; });
+    return send_dense(Op::read, items.size(), [&](std::size_t i) { return std::pair{items[i].name, items[i].out.size()}; },
+                      [&](std::size_t i, Item& item, std::size_t first, std::size_t n) {
+                        item.out = items[i].out.subspan(first, n);
+                      });
   }
 
   void check_trainable(const VariableInfo& v, std::string_view verb) const {
@@ -369,29 +402,42 @@ class Worker {
     return n;
   }
 
-  template <class Entry, class Out>
-  Handle send_dense(Op op, std::size_t count, Entry entry, Out out_of) {
+  template <class T>
+  static std::span<std::uint16_t> as_bits(std::span<T> out) noexcept {
+    static_assert(sizeof(T) == sizeof(std::uint16_t) && std::is_standard_layout_v<T>);
+    return {reinterpret_cast<std::uint16_t*>(out.data()), out.size()};
+  }
+
+  void check_dtype(std::string_view name, DType want, std::string_view op) const {
+    const VariableInfo& v = core_->find(name, op, index_);
+    if (v.meta.dtype != want)
+      throw shape_error("psx: worker " + std::to_string(index_) + ": " + std::string(op) + " of variable '" +
+                        v.meta.name + "' (dtype " + dtype_name(v.meta.dtype) + ") into a " + dtype_name(want) +
+                        " buffer; 16-bit pulls need the variable's own dtype");
+  }
+
+  // `entry(i)` gives item i's variable name and buffer size; `fill(i, item,
+  // first, n)` points the item at elements [first, first + n) of its buffer.
+  template <class Entry, class Fill>
+  Handle send_dense(Op op, std::size_t count, Entry entry, Fill fill) {
     const bool push = op == Op::push;
     const char* verb = push ? "push" : op == Op::read ? "read" : "pull";
     check_running(verb);
     std::vector<Request> per_server = requests(op);
     for (std::size_t i = 0; i < count; ++i) {
-      auto [name, buffer] = entry(i);
+      auto [name, size] = entry(i);
       const VariableInfo& v = core_->find(name, verb, index_);
-      if (buffer.size() != v.meta.size())
+      if (size != v.meta.size())
         throw shape_error("psx: worker " + std::to_string(index_) + ": " + verb + " of variable '" + v.meta.name +
                           "' of shape " + detail::shape_string(v.meta.shape) + " (" +
-                          detail::floats(v.meta.size()) + ") with a buffer of " + detail::floats(buffer.size()));
+                          detail::floats(v.meta.size()) + ") with a buffer of " + detail::floats(size));
       if (push) check_trainable(v, verb);
-      std::span<float> out = out_of(i);
       for (std::size_t k = 0; k < v.shards.size(); ++k) {
         const Shard& sh = v.shards[k];
-        const std::size_t first = sh.row_begin * v.meta.row_width, n = sh.rows() * v.meta.row_width;
         Item item;
         item.variable = v.meta.id;
         item.shard = static_cast<std::uint32_t>(k);
-        if (push) item.in = buffer.subspan(first, n);
-        else item.out = out.subspan(first, n);
+        fill(i, item, sh.row_begin * v.meta.row_width, sh.rows() * v.meta.row_width);
         per_server[sh.server].items.push_back(item);
       }
     }
@@ -400,14 +446,14 @@ class Worker {
     return dispatch(per_server, std::move(done));
   }
 
-  Handle send_rows(Op op, std::string_view name, std::span<const std::uint64_t> ids,
-                   std::span<const float> in, std::span<float> out) {
+  Handle send_rows(Op op, std::string_view name, std::span<const std::uint64_t> ids, std::span<const float> in,
+                   std::span<float> out, std::span<std::uint16_t> out16) {
     const bool push = op == Op::push_rows;
     const char* verb = push ? "push_rows" : "pull_rows";
     check_running(verb);
     const VariableInfo& v = core_->find(name, verb, index_);
     const std::size_t width = v.meta.row_width;
-    const std::size_t got = push ? in.size() : out.size();
+    const std::size_t got = push ? in.size() : out16.data() ? out16.size() : out.size();
     if (got != ids.size() * width)
       throw shape_error("psx: worker " + std::to_string(index_) + ": " + verb + " of " +
                         std::to_string(ids.size()) + " rows of variable '" + v.meta.name + "' (row width " +
@@ -433,6 +479,7 @@ class Worker {
       item.positions = positions;
       item.in = in;
       item.out = out;
+      item.out16 = out16;
       per_server[v.shards[k].server].items.push_back(item);
     };
 

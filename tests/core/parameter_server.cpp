@@ -511,8 +511,8 @@ struct HandServer {
     std::vector<float> all(4 + 5 * 2);
     psx::Request r;
     r.op = psx::Op::read;
-    r.items.push_back({0, 0, {}, {}, {}, std::span(all).first(4)});
-    r.items.push_back({1, 1, {}, {}, {}, std::span(all).subspan(4)});
+    r.items.push_back({0, 0, {}, {}, {}, std::span(all).first(4), {}});
+    r.items.push_back({1, 1, {}, {}, {}, std::span(all).subspan(4), {}});
     REQUIRE(send(std::move(r)).empty());
     return all;
   }
@@ -534,11 +534,11 @@ TEST_CASE("a server refuses requests it cannot trust, and keeps serving") {
   CHECK(h.send(op(psx::Op::pull, 7)) == "psx: server 0: request from worker 7 of 2");
   psx::Request bad = op(psx::Op::pull, 0, 0);
   std::vector<float> out(3);
-  bad.items.push_back({0, 0, {}, {}, {}, out});
+  bad.items.push_back({0, 0, {}, {}, {}, out, {}});
   CHECK(h.send(std::move(bad)) == "psx: server 0, request from worker 0: variable 'x' shard has 4 floats, the request "
                                   "carries 3");
   psx::Request ghost = op(psx::Op::pull, 0, 0);
-  ghost.items.push_back({5, 0, {}, {}, {}, out});
+  ghost.items.push_back({5, 0, {}, {}, {}, out, {}});
   CHECK(h.send(std::move(ghost)).find("which this server does not hold") != std::string::npos);
   CHECK(h.server->stats().errors == 5);
   CHECK(h.snapshot().size() == 14);

@@ -43,7 +43,7 @@ struct PlainSGD {
   std::size_t slots() const { return 0; }
   void update(std::span<float> w, std::span<const float> g, const psx::SlotView&,
               const psx::UpdateContext& ctx) const {
-    for (std::size_t i = 0; i < w.size(); ++i) w[i] -= lr * ctx.lr_scale * g[i];
+    for (std::size_t i = 0; i < w.size(); ++i) w[i] -= static_cast<float>(lr * ctx.lr_scale) * g[i];
   }
 };
 static_assert(psx::Optimizer<PlainSGD>);
