@@ -13,6 +13,9 @@
 //!    `ctx.step` (updates applied to the shard) for dense pushes and
 //!    `ctx.global_step` for row pushes, which may leave a shard untouched
 //!    for steps (PyTorch's SparseAdam counts optimizer steps too);
+//!  - the loops vectorize when math functions need not set errno: the CMake
+//!    target psx::psx adds -fno-math-errno (g++, clang); without it, std::sqrt
+//!    keeps them scalar (about 2.5x slower for Adam);
 //!  - a row push (`ctx.rows`) is lazy: only the pushed rows and their slots
 //!    change. Every optimizer but Adam applies the same formula to a row as to
 //!    a dense element; Adam follows `torch.optim.SparseAdam` for rows.
@@ -21,7 +24,10 @@
 #include <psx/concepts.hpp>
 #include <psx/errors.hpp>
 
+#include <algorithm>
+#include <bit>
 #include <cmath>
+#include <cstdint>
 #include <cstddef>
 #include <ostream>
 #include <span>
@@ -32,6 +38,18 @@ inline namespace v0 {
 namespace optim {
 
 namespace detail {
+
+// Calls `f` with one std::bool_constant per runtime flag, so that the loop
+// `f` runs has no branch inside and vectorizes.
+template <class F>
+void with_flags(F&& f) {
+  f();
+}
+template <class F, class... Rest>
+void with_flags(F&& f, bool flag, Rest... rest) {
+  if (flag) with_flags([&](auto... c) { f(std::true_type{}, c...); }, rest...);
+  else with_flags([&](auto... c) { f(std::false_type{}, c...); }, rest...);
+}
 
 inline double effective_lr(double lr, const UpdateContext& ctx) noexcept { return lr * ctx.lr_scale; }
 
@@ -89,25 +107,31 @@ struct SGD {
               const UpdateContext& ctx) const noexcept {
     const float neg_lr = static_cast<float>(-detail::effective_lr(lr, ctx));
     const float wd = static_cast<float>(weight_decay);
-    const std::size_t n = w.size();
-    float* __restrict wp = w.data();
-    const float* __restrict gp = g.data();
-    if (momentum == 0.0) {
-      for (std::size_t i = 0; i < n; ++i) {
-        const float d = wd != 0.0f ? gp[i] + wd * wp[i] : gp[i];
-        wp[i] = wp[i] + neg_lr * d;
-      }
-      return;
-    }
     const float mu = static_cast<float>(momentum);
     const float keep = static_cast<float>(1.0 - dampening);
-    const bool first = detail::t_of(ctx) == 1;
-    float* __restrict b = s[0].data();
+    const std::size_t n = w.size();
+    float* wp = w.data();
+    const float* gp = g.data();
+    float* b = momentum != 0.0 ? s[0].data() : nullptr;
+    detail::with_flags([&](auto... flags) { loop<decltype(flags)::value...>(n, wp, gp, b, neg_lr, wd, mu, keep); },
+                       weight_decay != 0.0, momentum != 0.0, detail::t_of(ctx) == 1, nesterov);
+  }
+
+  // Scalars by value and restrict pointers: nothing the loop stores can
+  // alias what it reads, so it vectorizes without run-time alias checks.
+  template <bool Decay, bool Momentum, bool First, bool Nesterov>
+  static void loop(std::size_t n, float* __restrict w, const float* __restrict g, float* __restrict b, float neg_lr,
+                   float wd, float mu, float keep) noexcept {
     for (std::size_t i = 0; i < n; ++i) {
-      const float d = wd != 0.0f ? gp[i] + wd * wp[i] : gp[i];
-      b[i] = first ? d : b[i] * mu + keep * d;
-      const float step = nesterov ? d + mu * b[i] : b[i];
-      wp[i] = wp[i] + neg_lr * step;
+      float d = g[i];
+      if constexpr (Decay) d = d + wd * w[i];
+      if constexpr (Momentum) {
+        if constexpr (First) b[i] = d;
+        else b[i] = b[i] * mu + keep * d;
+        if constexpr (Nesterov) d = d + mu * b[i];
+        else d = b[i];
+      }
+      w[i] = w[i] + neg_lr * d;
     }
   }
 
@@ -150,15 +174,20 @@ struct Adagrad {
     const float neg_clr = static_cast<float>(-clr);
     const float wd = static_cast<float>(weight_decay);
     const float e = static_cast<float>(eps);
-    const std::size_t n = w.size();
-    float* __restrict wp = w.data();
-    const float* __restrict gp = g.data();
-    float* __restrict acc = s[0].data();
+    detail::with_flags([&](auto... flags) {
+      loop<decltype(flags)::value...>(w.size(), w.data(), g.data(), s[0].data(), neg_clr, wd, e);
+    }, weight_decay != 0.0);
+  }
+
+  template <bool Decay>
+  static void loop(std::size_t n, float* __restrict w, const float* __restrict g, float* __restrict acc,
+                   float neg_clr, float wd, float e) noexcept {
     for (std::size_t i = 0; i < n; ++i) {
-      const float d = wd != 0.0f ? gp[i] + wd * wp[i] : gp[i];
+      float d = g[i];
+      if constexpr (Decay) d = d + wd * w[i];
       acc[i] = acc[i] + d * d;
       const float stdev = std::sqrt(acc[i]) + e;
-      wp[i] = wp[i] + neg_clr * d / stdev;
+      w[i] = w[i] + neg_clr * d / stdev;
     }
   }
 
@@ -198,30 +227,37 @@ struct RMSProp {
   void update(std::span<float> w, std::span<const float> g, const SlotView& s,
               const UpdateContext& ctx) const noexcept {
     const float neg_lr = static_cast<float>(-detail::effective_lr(lr, ctx));
-    const float a = static_cast<float>(alpha), one_minus_a = static_cast<float>(1.0 - alpha);
-    const float wd = static_cast<float>(weight_decay), e = static_cast<float>(eps);
-    const float mu = static_cast<float>(momentum);
-    const std::size_t n = w.size();
-    float* __restrict wp = w.data();
-    const float* __restrict gp = g.data();
-    float* __restrict sq = s[0].data();
-    float* __restrict ga = centered ? s[1].data() : nullptr;
-    float* __restrict b = momentum > 0.0 ? s[centered ? 2 : 1].data() : nullptr;
+    const Scalars k{static_cast<float>(alpha), static_cast<float>(1.0 - alpha), static_cast<float>(eps),
+                    static_cast<float>(weight_decay), static_cast<float>(momentum), neg_lr};
+    float* ga = centered ? s[1].data() : nullptr;
+    float* b = momentum > 0.0 ? s[centered ? 2 : 1].data() : nullptr;
+    detail::with_flags([&](auto... flags) {
+      loop<decltype(flags)::value...>(w.size(), w.data(), g.data(), s[0].data(), ga, b, k);
+    }, weight_decay != 0.0, centered, momentum > 0.0);
+  }
+
+  struct Scalars {
+    float a, one_minus_a, e, wd, mu, neg_lr;
+  };
+  template <bool Decay, bool Centered, bool Momentum>
+  static void loop(std::size_t n, float* __restrict w, const float* __restrict g, float* __restrict sq,
+                   float* __restrict ga, float* __restrict b, Scalars k) noexcept {
     for (std::size_t i = 0; i < n; ++i) {
-      const float d = wd != 0.0f ? gp[i] + wd * wp[i] : gp[i];
-      sq[i] = sq[i] * a + one_minus_a * d * d;
+      float d = g[i];
+      if constexpr (Decay) d = d + k.wd * w[i];
+      sq[i] = sq[i] * k.a + k.one_minus_a * d * d;
       float avg;
-      if (ga) {
-        ga[i] = ga[i] * a + one_minus_a * d;
-        avg = std::sqrt(sq[i] + -1.0f * ga[i] * ga[i]) + e;
+      if constexpr (Centered) {
+        ga[i] = ga[i] * k.a + k.one_minus_a * d;
+        avg = std::sqrt(sq[i] + -1.0f * ga[i] * ga[i]) + k.e;
       } else {
-        avg = std::sqrt(sq[i]) + e;
+        avg = std::sqrt(sq[i]) + k.e;
       }
-      if (b) {
-        b[i] = b[i] * mu + d / avg;
-        wp[i] = wp[i] + neg_lr * b[i];
+      if constexpr (Momentum) {
+        b[i] = b[i] * k.mu + d / avg;
+        w[i] = w[i] + k.neg_lr * b[i];
       } else {
-        wp[i] = wp[i] + neg_lr * d / avg;
+        w[i] = w[i] + k.neg_lr * d / avg;
       }
     }
   }
@@ -246,76 +282,73 @@ struct AdamCore {
   double lr, beta1, beta2, eps, weight_decay;
   bool amsgrad, decoupled;
 
-  // Dense: torch.optim.Adam / AdamW (1.13), eps added after the bias-corrected root.
-  void dense(std::span<float> w, std::span<const float> g, const SlotView& s, const UpdateContext& ctx) const noexcept {
+  struct Scalars {
+    float neg_step, bc2_sqrt, b1, b2, one_minus_b1, one_minus_b2, e, wd, shrink;
+  };
+
+  Scalars scalars(const UpdateContext& ctx, bool rows) const noexcept {
     const double lr_t = effective_lr(lr, ctx);
-    const double bc1 = bias_correction(beta1, ctx.step), bc2 = bias_correction(beta2, ctx.step);
-    const float neg_step = static_cast<float>(-(lr_t / bc1));
-    const float bc2_sqrt = static_cast<float>(std::sqrt(bc2));
-    const float b1 = static_cast<float>(beta1), b2 = static_cast<float>(beta2);
-    const float one_minus_b1 = static_cast<float>(1.0 - beta1), one_minus_b2 = static_cast<float>(1.0 - beta2);
-    const float e = static_cast<float>(eps);
-    const float wd = decoupled ? 0.0f : static_cast<float>(weight_decay);
-    const float shrink = static_cast<float>(1.0 - lr_t * weight_decay);
-    const std::size_t n = w.size();
-    float* __restrict wp = w.data();
-    const float* __restrict gp = g.data();
-    float* __restrict m = s[0].data();
-    float* __restrict v = s[1].data();
-    float* __restrict vmax = amsgrad ? s[2].data() : nullptr;
-    if (decoupled && weight_decay != 0.0)
-      for (std::size_t i = 0; i < n; ++i) wp[i] = wp[i] * shrink;
+    const std::uint64_t t = rows ? ctx.global_step : ctx.step;
+    const double bc1 = bias_correction(beta1, t), bc2 = bias_correction(beta2, t);
+    // Dense: lr / bc1 and eps after the corrected root; rows (SparseAdam):
+    // lr * sqrt(bc2) / bc1 and eps on the uncorrected root.
+    const double step = rows ? lr_t * std::sqrt(bc2) / bc1 : lr_t / bc1;
+    return {static_cast<float>(-step), static_cast<float>(std::sqrt(bc2)), static_cast<float>(beta1),
+            static_cast<float>(beta2), static_cast<float>(1.0 - beta1), static_cast<float>(1.0 - beta2),
+            static_cast<float>(eps), decoupled ? 0.0f : static_cast<float>(weight_decay),
+            static_cast<float>(1.0 - lr_t * weight_decay)};
+  }
+
+  // Dense: torch.optim.Adam / AdamW (1.13).
+  template <bool Decoupled, bool Decay, bool Ams>
+  static void dense(std::size_t n, float* __restrict w, const float* __restrict g, float* __restrict m,
+                    float* __restrict v, float* __restrict vmax, Scalars k) noexcept {
     for (std::size_t i = 0; i < n; ++i) {
-      const float d = wd != 0.0f ? gp[i] + wd * wp[i] : gp[i];
-      m[i] = m[i] * b1 + one_minus_b1 * d;
-      v[i] = v[i] * b2 + one_minus_b2 * d * d;
+      if constexpr (Decoupled) w[i] = w[i] * k.shrink;  // AdamW's w *= 1 - lr * wd, in the same pass
+      float d = g[i];
+      if constexpr (Decay) d = d + k.wd * w[i];
+      m[i] = m[i] * k.b1 + k.one_minus_b1 * d;
+      v[i] = v[i] * k.b2 + k.one_minus_b2 * d * d;
       float root;
-      if (vmax) {
-        vmax[i] = std::fmax(vmax[i], v[i]);
+      if constexpr (Ams) {
+        vmax[i] = vmax[i] >= v[i] ? vmax[i] : v[i];  // torch.maximum: NaN in v propagates
         root = std::sqrt(vmax[i]);
       } else {
         root = std::sqrt(v[i]);
       }
-      const float denom = root / bc2_sqrt + e;
-      wp[i] = wp[i] + neg_step * m[i] / denom;
+      const float denom = root / k.bc2_sqrt + k.e;
+      w[i] = w[i] + k.neg_step * m[i] / denom;
     }
   }
 
-  // Rows: torch.optim.SparseAdam (1.13), lazy, eps added to the uncorrected
-  // root and the bias corrections folded into the step size.
-  void rows(std::span<float> w, std::span<const float> g, const SlotView& s, const UpdateContext& ctx) const noexcept {
-    const double lr_t = effective_lr(lr, ctx);
-    const double bc1 = bias_correction(beta1, ctx.global_step), bc2 = bias_correction(beta2, ctx.global_step);
-    const float neg_step = static_cast<float>(-(lr_t * std::sqrt(bc2) / bc1));
-    const float one_minus_b1 = static_cast<float>(1.0 - beta1), one_minus_b2 = static_cast<float>(1.0 - beta2);
-    const float e = static_cast<float>(eps);
-    const float wd = decoupled ? 0.0f : static_cast<float>(weight_decay);
-    const float shrink = static_cast<float>(1.0 - lr_t * weight_decay);
-    const std::size_t n = w.size();
-    float* __restrict wp = w.data();
-    const float* __restrict gp = g.data();
-    float* __restrict m = s[0].data();
-    float* __restrict v = s[1].data();
-    float* __restrict vmax = amsgrad ? s[2].data() : nullptr;
+  // Rows: torch.optim.SparseAdam (1.13), lazy.
+  template <bool Decoupled, bool Decay, bool Ams>
+  static void rows(std::size_t n, float* __restrict w, const float* __restrict g, float* __restrict m,
+                   float* __restrict v, float* __restrict vmax, Scalars k) noexcept {
     for (std::size_t i = 0; i < n; ++i) {
-      if (decoupled && weight_decay != 0.0) wp[i] = wp[i] * shrink;
-      const float d = wd != 0.0f ? gp[i] + wd * wp[i] : gp[i];
-      m[i] = m[i] + (d - m[i]) * one_minus_b1;
-      v[i] = v[i] + (d * d - v[i]) * one_minus_b2;
+      if constexpr (Decoupled) w[i] = w[i] * k.shrink;
+      float d = g[i];
+      if constexpr (Decay) d = d + k.wd * w[i];
+      m[i] = m[i] + (d - m[i]) * k.one_minus_b1;
+      v[i] = v[i] + (d * d - v[i]) * k.one_minus_b2;
       float root;
-      if (vmax) {
-        vmax[i] = std::fmax(vmax[i], v[i]);
+      if constexpr (Ams) {
+        vmax[i] = vmax[i] >= v[i] ? vmax[i] : v[i];
         root = std::sqrt(vmax[i]);
       } else {
         root = std::sqrt(v[i]);
       }
-      wp[i] = wp[i] + neg_step * (m[i] / (root + e));
+      w[i] = w[i] + k.neg_step * (m[i] / (root + k.e));
     }
   }
 
   void update(std::span<float> w, std::span<const float> g, const SlotView& s, const UpdateContext& ctx) const noexcept {
-    if (ctx.rows) rows(w, g, s, ctx);
-    else dense(w, g, s, ctx);
+    const Scalars k = scalars(ctx, ctx.rows);
+    float* vmax = amsgrad ? s[2].data() : nullptr;
+    with_flags([&](auto... flags) {
+      if (ctx.rows) rows<decltype(flags)::value...>(w.size(), w.data(), g.data(), s[0].data(), s[1].data(), vmax, k);
+      else dense<decltype(flags)::value...>(w.size(), w.data(), g.data(), s[0].data(), s[1].data(), vmax, k);
+    }, decoupled && weight_decay != 0.0, !decoupled && weight_decay != 0.0, amsgrad);
   }
 };
 
@@ -423,21 +456,31 @@ struct Ftrl {
     const float lr_t = static_cast<float>(detail::effective_lr(lr, ctx));
     const float l1f = static_cast<float>(l1), two_l2 = static_cast<float>(2.0 * l2);
     const float power = static_cast<float>(-lr_power);
-    const bool sqrt_power = lr_power == -0.5;
-    auto root = [&](float x) { return sqrt_power ? std::sqrt(x) : std::pow(x, power); };
-    const std::size_t n = w.size();
-    float* __restrict wp = w.data();
-    const float* __restrict gp = g.data();
-    float* __restrict acc = s[0].data();
-    float* __restrict z = s[1].data();
+    detail::with_flags([&](auto... flags) {
+      loop<decltype(flags)::value...>(w.size(), w.data(), g.data(), s[0].data(), s[1].data(), lr_t, l1f, two_l2, power);
+    }, lr_power == -0.5);
+  }
+
+  template <bool SquareRoot>
+  static void loop(std::size_t n, float* __restrict w, const float* __restrict g, float* __restrict acc,
+                   float* __restrict z, float lr_t, float l1f, float two_l2, float power) noexcept {
+    auto root = [power](float x) {
+      if constexpr (SquareRoot) return std::sqrt(x);
+      else return std::pow(x, power);
+    };
     for (std::size_t i = 0; i < n; ++i) {
-      const float d = gp[i];
+      const float d = g[i];
       const float acc_new = acc[i] + d * d;
       const float root_new = root(acc_new);
-      z[i] = z[i] + (d - (root_new - root(acc[i])) / lr_t * wp[i]);
+      const float zi = z[i] + (d - (root_new - root(acc[i])) / lr_t * w[i]);
       const float quadratic = root_new / lr_t + two_l2;
-      const float sign = z[i] > 0.0f ? 1.0f : z[i] < 0.0f ? -1.0f : 0.0f;
-      wp[i] = std::fabs(z[i]) > l1f ? (sign * l1f - z[i]) / quadratic : 0.0f;
+      // (sign(z) * l1 - z) / quadratic where |z| > l1, else +0. Computed for
+      // every element and masked, so that the loop has no branch (a division
+      // under a condition stops vectorization); z = 0 never passes |z| > l1.
+      const float shrunk = (std::copysign(l1f, zi) - zi) / quadratic;
+      const std::uint32_t keep = std::fabs(zi) > l1f ? 0xffffffffu : 0u;
+      w[i] = std::bit_cast<float>(std::bit_cast<std::uint32_t>(shrunk) & keep);
+      z[i] = zi;
       acc[i] = acc_new;
     }
   }
@@ -468,7 +511,8 @@ static_assert(Optimizer<Ftrl>);
 //! (as LAMB implementations do for each parameter tensor). Use a partitioner
 //! that keeps variables whole (HashByName, RoundRobin) for textbook LAMB.
 //! Sparse variables (row pushes) are refused: a row is not a layer.
-//! Slots: m, v (12 bytes per parameter). Norms are accumulated in double.
+//! Slots: m, v (12 bytes per parameter). Norms: float partial sums over
+//! blocks of 1024 elements, added up in double.
 struct Lamb {
   double lr = 0.001;
   double beta1 = 0.9;
@@ -491,29 +535,64 @@ struct Lamb {
 
   void update(std::span<float> w, std::span<const float> g, const SlotView& s,
               const UpdateContext& ctx) const noexcept {
-    const float inv_bc1 = static_cast<float>(1.0 / detail::bias_correction(beta1, ctx.step));
-    const float inv_bc2 = static_cast<float>(1.0 / detail::bias_correction(beta2, ctx.step));
-    const float b1 = static_cast<float>(beta1), b2 = static_cast<float>(beta2);
-    const float one_minus_b1 = static_cast<float>(1.0 - beta1), one_minus_b2 = static_cast<float>(1.0 - beta2);
-    const float e = static_cast<float>(eps), wd = static_cast<float>(weight_decay);
+    const Scalars k{static_cast<float>(1.0 / detail::bias_correction(beta1, ctx.step)),
+                    static_cast<float>(1.0 / detail::bias_correction(beta2, ctx.step)),
+                    static_cast<float>(beta1),
+                    static_cast<float>(beta2),
+                    static_cast<float>(1.0 - beta1),
+                    static_cast<float>(1.0 - beta2),
+                    static_cast<float>(eps),
+                    static_cast<float>(weight_decay)};
     const std::size_t n = w.size();
-    float* __restrict wp = w.data();
-    const float* __restrict gp = g.data();
-    float* __restrict m = s[0].data();
-    float* __restrict v = s[1].data();
-    auto r_of = [&](std::size_t i) { return (m[i] * inv_bc1) / (std::sqrt(v[i] * inv_bc2) + e) + wd * wp[i]; };
-    double w_norm2 = 0.0, r_norm2 = 0.0;
-    for (std::size_t i = 0; i < n; ++i) {
-      m[i] = m[i] * b1 + one_minus_b1 * gp[i];
-      v[i] = v[i] * b2 + one_minus_b2 * gp[i] * gp[i];
-      const float r = r_of(i);
-      w_norm2 += static_cast<double>(wp[i]) * wp[i];
-      r_norm2 += static_cast<double>(r) * r;
-    }
-    const float w_norm = static_cast<float>(std::sqrt(w_norm2)), r_norm = static_cast<float>(std::sqrt(r_norm2));
+    double norms[2] = {};  // |w|^2, |r|^2
+    moments(n, w.data(), g.data(), s[0].data(), s[1].data(), k, norms);
+    const float w_norm = static_cast<float>(std::sqrt(norms[0])), r_norm = static_cast<float>(std::sqrt(norms[1]));
     const float ratio = w_norm > 0.0f && r_norm > 0.0f ? w_norm / r_norm : 1.0f;
-    const float scale = static_cast<float>(-detail::effective_lr(lr, ctx)) * ratio;
-    for (std::size_t i = 0; i < n; ++i) wp[i] = wp[i] + scale * r_of(i);
+    apply(n, w.data(), s[0].data(), s[1].data(), k, static_cast<float>(-detail::effective_lr(lr, ctx)) * ratio);
+  }
+
+  struct Scalars {
+    float inv_bc1, inv_bc2, b1, b2, one_minus_b1, one_minus_b2, e, wd;
+    float r(float m, float v, float w) const noexcept { return (m * inv_bc1) / (std::sqrt(v * inv_bc2) + e) + wd * w; }
+  };
+
+  // Pass 1: the moments, and the squared norms of w and r: 8 float lanes
+  // per block of 1024 elements (so the loop vectorizes), blocks summed in
+  // double.
+  static void moments(std::size_t n, const float* __restrict w, const float* __restrict g, float* __restrict m,
+                      float* __restrict v, Scalars k, double (&norms)[2]) noexcept {
+    constexpr std::size_t lanes = 8, block = 1024;
+    double w2 = 0.0, r2 = 0.0;
+    const std::size_t whole = n / lanes * lanes;
+    for (std::size_t b = 0; b < whole; b += block) {
+      const std::size_t end = std::min(whole, b + block);
+      float wl[lanes] = {}, rl[lanes] = {};
+      for (std::size_t i = b; i < end; i += lanes)
+        for (std::size_t l = 0; l < lanes; ++l) {
+          const std::size_t j = i + l;
+          m[j] = m[j] * k.b1 + k.one_minus_b1 * g[j];
+          v[j] = v[j] * k.b2 + k.one_minus_b2 * g[j] * g[j];
+          const float r = k.r(m[j], v[j], w[j]);
+          wl[l] += w[j] * w[j];
+          rl[l] += r * r;
+        }
+      for (std::size_t l = 0; l < lanes; ++l) w2 += wl[l], r2 += rl[l];
+    }
+    for (std::size_t j = whole; j < n; ++j) {
+      m[j] = m[j] * k.b1 + k.one_minus_b1 * g[j];
+      v[j] = v[j] * k.b2 + k.one_minus_b2 * g[j] * g[j];
+      const float r = k.r(m[j], v[j], w[j]);
+      w2 += static_cast<double>(w[j]) * w[j];
+      r2 += static_cast<double>(r) * r;
+    }
+    norms[0] = w2;
+    norms[1] = r2;
+  }
+
+  // Pass 2: w -= lr * ratio * r, r recomputed from the new moments.
+  static void apply(std::size_t n, float* __restrict w, const float* __restrict m, const float* __restrict v,
+                    Scalars k, float scale) noexcept {
+    for (std::size_t i = 0; i < n; ++i) w[i] = w[i] + scale * k.r(m[i], v[i], w[i]);
   }
 
   friend bool operator==(const Lamb&, const Lamb&) = default;

@@ -12,6 +12,7 @@
 #include <psx/cluster.hpp>
 #include <psx/concepts.hpp>
 #include <psx/errors.hpp>
+#include <psx/gradients.hpp>
 #include <psx/half.hpp>
 #include <psx/message.hpp>
 #include <psx/optim.hpp>

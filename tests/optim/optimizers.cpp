@@ -542,3 +542,36 @@ TEST_CASE("half: bfloat16 and float16 variables train in float32 and serve 16-bi
 }
 
 }  // namespace
+
+namespace {
+
+// The code of docs/optimizers.md (the docs test checks it is here, line for line).
+TEST_CASE("optim: the documented set-up trains with AdamW, warm-up + cosine, and a bfloat16 table") {
+  psx_test::Watchdog dog("docs optimizers");
+  using Opt = psx::optim::Scheduled<psx::optim::AdamW, psx::schedule::Warmup<psx::schedule::Cosine>>;
+  const Opt opt{psx::optim::AdamW{.lr = 1e-3, .weight_decay = 0.01},
+                psx::schedule::Warmup<psx::schedule::Cosine>{.steps = 100, .after = {.decay_steps = 10'000}}};
+  psx::ParameterServer<psx::partition::HashByName, psx::sync::Synchronous, Opt> ps({2, 4}, {}, {}, opt);
+  ps.declare(psx::dense("w", {64, 8}, psx::Initializer::normal(0, 0.1f, 7)));
+  psx::VariableSpec table = psx::sparse("emb", 1000, 16, psx::Initializer::normal(0, 0.1f, 7));
+  table.dtype = psx::DType::bfloat16;  // float32 master on the server, bfloat16 copy for pulls
+  ps.declare(table);
+  const std::vector<float> before = ps.read("w");
+  ps.run([](psx::Worker& w) {
+    const std::vector<std::uint64_t> ids{3, 14, 15, 92};
+    for (int step = 0; step < 3; ++step) {
+      std::vector<psx::bfloat16> rows(ids.size() * 16);
+      w.pull_rows("emb", ids, std::span(rows));  // 2 bytes per element on the way
+      std::vector<float> grad(ids.size() * 16, 0.5f);
+      w.push_rows("emb", ids, grad);
+      w.push("w", std::vector<float>(64 * 8, 1.0f));
+      w.step();
+    }
+  });
+  // Warm-up: the first step runs at factor 0, the next at 1/100 and 2/100.
+  const std::vector<float> after = ps.read("w");
+  CHECK(after[0] < before[0]);
+  CHECK(after[0] > before[0] - 1e-4f);
+}
+
+}  // namespace
