@@ -9,6 +9,7 @@
 #include <psx/optim.hpp>
 #include <psx/partition.hpp>
 #include <psx/server.hpp>
+#include <psx/storage.hpp>
 #include <psx/sync.hpp>
 #include <psx/transport/inprocess.hpp>
 #include <psx/variable.hpp>
@@ -35,13 +36,15 @@ inline namespace v0 {
 //! @tparam S a `psx::SyncPolicy`: when pushes apply and pulls return
 //! @tparam O a `psx::Optimizer`: how servers apply gradients
 //! @tparam T a `psx::Transport`: how requests travel
+//! @tparam Storage where servers keep shards: `psx::storage::Host` (default)
+//!         or `psx::cuda::Device` (GPU memory, `psx/cuda/storage.cuh`)
 //!
 //! Life cycle: `declare` the variables, then `run` the worker function on
 //! every worker (or `start` and drive `worker(i)` from threads of your own),
 //! then `shutdown` (the destructor does it too). With `transport::InProcess`
 //! the servers are threads of this process: the embedded local cluster.
 template <class P = partition::HashByName, class S = sync::Synchronous, class O = optim::SGD,
-          class T = transport::InProcess>
+          class T = transport::InProcess, class Storage = storage::Host>
 class ParameterServer {
   static_assert(explain_partitioner<P>());
   static_assert(explain_sync_policy<S>());
@@ -53,7 +56,8 @@ class ParameterServer {
   using sync_policy_type = S;
   using optimizer_type = O;
   using transport_type = T;
-  using server_type = Server<S, O>;
+  using storage_type = Storage;
+  using server_type = Server<S, O, Storage>;
 
   explicit ParameterServer(ClusterConfig config, P partitioner = {}, S sync = {}, O optimizer = {},
                            T transport = {})

@@ -20,6 +20,7 @@
 #include <psx/partition.hpp>
 #include <psx/schedule.hpp>
 #include <psx/server.hpp>
+#include <psx/storage.hpp>
 #include <psx/sync.hpp>
 #include <psx/transport/inprocess.hpp>
 #include <psx/variable.hpp>

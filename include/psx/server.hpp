@@ -10,6 +10,7 @@
 #include <psx/detail/span.hpp>
 #include <psx/errors.hpp>
 #include <psx/message.hpp>
+#include <psx/storage.hpp>
 #include <psx/variable.hpp>
 
 #include <algorithm>
@@ -31,41 +32,6 @@
 namespace psx {
 inline namespace v0 {
 namespace detail {
-
-// Rows of one shard, each summed over every time it was added (duplicate ids
-// in a push are summed, not overwritten), kept in first-seen order.
-class RowAccumulator {
- public:
-  explicit RowAccumulator(std::size_t width = 0) : width_(width) {}
-
-  void add(std::uint64_t row, const float* g) {
-    auto [it, inserted] = index_.try_emplace(row, rows_.size());
-    if (inserted) {
-      rows_.push_back(row);
-      data_.insert(data_.end(), g, g + width_);
-    } else {
-      float* dst = data_.data() + it->second * width_;
-      for (std::size_t i = 0; i < width_; ++i) dst[i] += g[i];
-    }
-  }
-
-  void clear() noexcept {
-    rows_.clear();
-    data_.clear();
-    index_.clear();
-  }
-
-  bool empty() const noexcept { return rows_.empty(); }
-  const std::vector<std::uint64_t>& rows() const noexcept { return rows_; }
-  std::vector<float>& data() noexcept { return data_; }
-  const float* row_data(std::size_t k) const noexcept { return data_.data() + k * width_; }
-
- private:
-  std::size_t width_;
-  std::vector<std::uint64_t> rows_;
-  std::vector<float> data_;
-  std::unordered_map<std::uint64_t, std::size_t> index_;
-};
 
 // One worker's gradient for one shard in one step: the sum of its pushes.
 struct Contribution {
@@ -99,8 +65,9 @@ struct ServerStats {
 //! Number of staleness histogram buckets.
 inline constexpr std::size_t staleness_buckets = 64;
 
-//! A server of the cluster: holds the shards the partitioner gave it.
-template <class S, class O>
+//! A server of the cluster: holds the shards the partitioner gave it, in
+//! `Storage` (host memory by default, see psx/storage.hpp).
+template <class S, class O, class Storage = storage::Host>
 class Server final : public RequestHandler {
   using SyncStateT = decltype(std::declval<const S&>().make_state(std::size_t{}));
   using time_point = clock_type::time_point;
@@ -124,8 +91,8 @@ class Server final : public RequestHandler {
         if (v.shards[k].server == index) {
           shards_[v.meta.id][k] = make_shard(v, k);
           const ShardState& sh = *shards_[v.meta.id][k];
-          parameter_bytes_ += sh.params.size() * sizeof(float) + sh.low.size() * sizeof(std::uint16_t);
-          slot_bytes_ += sh.slots.size() * sizeof(float);
+          parameter_bytes_ += sh.data.parameter_bytes();
+          slot_bytes_ += sh.data.slot_bytes();
         }
     }
     recount();
@@ -198,12 +165,13 @@ class Server final : public RequestHandler {
   };
 
   struct ShardState {
+    ShardState(const O& optimizer, const VariableInfo& v, std::size_t k)
+        : var(&v), shard(v.shards[k]), data(optimizer, v, v.shards[k]) {}
+
     const VariableInfo* var = nullptr;
     Shard shard;
-    std::vector<float> params;
-    std::vector<float> slots;
-    std::vector<float*> slot_bases;
-    std::vector<std::uint16_t> low;  // the 16-bit copy of a bfloat16/float16 variable
+    // Parameters, optimizer slots and the 16-bit copy, where Storage keeps them.
+    typename Storage::template shard<O> data;
     std::uint64_t version = 0;
     std::uint64_t applied_steps = 0;
     std::vector<WorkerView> workers;
@@ -211,31 +179,16 @@ class Server final : public RequestHandler {
     std::map<std::uint64_t, std::vector<detail::Contribution>> pending;
 
     std::size_t width() const noexcept { return var->meta.row_width; }
-    SlotView slot_view(std::size_t offset, std::size_t length) const noexcept {
-      return {slot_bases.data(), slot_bases.size(), offset, length};
-    }
     ShardProgress progress() const noexcept { return {&var->meta, version, applied_steps}; }
   };
 
   std::unique_ptr<ShardState> make_shard(const VariableInfo& v, std::size_t k) const {
-    auto s = std::make_unique<ShardState>();
-    s->var = &v;
-    s->shard = v.shards[k];
-    const std::size_t width = v.meta.row_width;
-    const std::size_t n = s->shard.rows() * width;
-    s->params.resize(n);
-    v.init.fill(v.meta.name, s->shard.row_begin * width, s->params);
-    const std::size_t num_slots = optimizer_.slots();
-    s->slots.resize(num_slots * n);
-    for (std::size_t j = 0; j < num_slots; ++j) {
-      s->slot_bases.push_back(s->slots.data() + j * n);
-      std::fill_n(s->slot_bases.back(), n, initial_slot(optimizer_, j));
-    }
+    auto s = std::make_unique<ShardState>(optimizer_, v, k);
     s->workers.resize(clocks_.size());
-    if (v.meta.dtype != DType::float32) {
-      s->low.resize(n);
-      detail::to_low(v.meta.dtype, s->params.data(), s->low.data(), n);
-    }
+    if constexpr (detail::has_compensation<SyncStateT> && !Storage::host_visible)
+      if (sync_.compensates(v.meta))
+        throw config_error("psx: server " + std::to_string(index_) + ": variable '" + v.meta.name +
+                           "': delay compensation reads parameters on the host; this storage keeps them elsewhere");
     return s;
   }
 
@@ -271,13 +224,13 @@ class Server final : public RequestHandler {
     const bool low = !push && !item.out16.empty();
     const std::size_t got = push ? item.in.size() : low ? item.out16.size() : item.out.size();
     const std::string& name = s.var->meta.name;
-    if (low && s.low.empty())
+    if (low && !s.data.low_precision())
       throw wire_error("psx: " + where(r) + ": a 16-bit pull of variable '" + name + "', which is stored as " +
                        dtype_name(s.var->meta.dtype));
     if (!rows) {
-      if (got != s.params.size())
+      if (got != s.data.size())
         throw wire_error("psx: " + where(r) + ": variable '" + name + "' shard has " +
-                         std::to_string(s.params.size()) + " floats, the request carries " + std::to_string(got));
+                         std::to_string(s.data.size()) + " floats, the request carries " + std::to_string(got));
       return s;
     }
     if (!item.positions.empty() && item.positions.size() != item.ids.size())
@@ -371,32 +324,35 @@ class Server final : public RequestHandler {
         wv->pulled_version = s.version;
         wv->pulled_step = s.applied_steps;
         if (compensating && wv->pulled.empty()) {
-          wv->pulled.assign(s.params.size(), 0.0f);
+          wv->pulled.assign(s.data.size(), 0.0f);
           wv->pulled_rows.assign(s.shard.rows(), false);
         }
       }
-      if (!rows && low) {
-        std::memcpy(item.out16.data(), s.low.data(), s.low.size() * sizeof(std::uint16_t));
-      } else if (!rows) {
-        std::memcpy(item.out.data(), s.params.data(), s.params.size() * sizeof(float));
-        if (compensating) {
-          std::memcpy(wv->pulled.data(), s.params.data(), s.params.size() * sizeof(float));
-          wv->pulled_rows.assign(s.shard.rows(), true);
-        }
-        continue;
+      if (rows && low) s.data.read_rows(item.ids, s.shard.row_begin, item.positions, item.out16);
+      else if (rows) s.data.read_rows(item.ids, s.shard.row_begin, item.positions, item.out);
+      else if (low) s.data.read(item.out16);
+      else s.data.read(item.out);
+      if (compensating) remember_pulled(s, item, rows, *wv);
+    }
+  }
+
+  // Delay compensation: keeps the values the worker just read.
+  void remember_pulled(const ShardState& s, const Item& item, bool rows, WorkerView& wv) const {
+    if constexpr (Storage::host_visible) {
+      const std::span<const float> values = s.data.values();
+      const std::size_t width = s.width();
+      if (!rows) {
+        std::memcpy(wv.pulled.data(), values.data(), values.size() * sizeof(float));
+        wv.pulled_rows.assign(s.shard.rows(), true);
+        return;
       }
-      const float* base = s.params.data();
-      const std::size_t first = s.shard.row_begin;
-      for (std::size_t j = 0; j < item.ids.size(); ++j) {
-        const std::size_t pos = item.positions.empty() ? j : item.positions[j];
-        const std::size_t row = item.ids[j] - first;
-        if (low) std::memcpy(item.out16.data() + pos * width, s.low.data() + row * width, width * sizeof(std::uint16_t));
-        else detail::copy_floats(item.out.data() + pos * width, base + row * width, width);
-        if (compensating) {
-          detail::copy_floats(wv->pulled.data() + row * width, base + row * width, width);
-          wv->pulled_rows[row] = true;
-        }
+      for (const std::uint64_t id : item.ids) {
+        const std::size_t row = id - s.shard.row_begin;
+        detail::copy_floats(wv.pulled.data() + row * width, values.data() + row * width, width);
+        wv.pulled_rows[row] = true;
       }
+    } else {
+      (void)s, (void)item, (void)rows, (void)wv;  // refused in make_shard
     }
   }
 
@@ -490,9 +446,9 @@ class Server final : public RequestHandler {
   void compensate_row(const ShardState& s, float* g, std::size_t row, const WorkerView& wv) const {
     if (!wv.pulled_rows[row]) return;
     const std::size_t width = s.width();
-    if constexpr (detail::has_compensation<SyncStateT>)
+    if constexpr (detail::has_compensation<SyncStateT> && Storage::host_visible)
       sync_.compensate(s.var->meta, std::span<float>(g, width),
-                       std::span<const float>(s.params.data() + row * width, width),
+                       std::span<const float>(s.data.values().data() + row * width, width),
                        std::span<const float>(wv.pulled.data() + row * width, width));
   }
 
@@ -535,20 +491,11 @@ class Server final : public RequestHandler {
   }
 
   void apply_dense(ShardState& s, std::span<const float> g, double lr_scale, std::uint64_t global_step) {
-    const UpdateContext ctx{++s.version, lr_scale, &s.var->meta, global_step, false};
-    optimizer_.update(s.params, g, s.slot_view(0, s.params.size()), ctx);
-    if (!s.low.empty()) detail::to_low(s.var->meta.dtype, s.params.data(), s.low.data(), s.params.size());
+    s.data.apply(optimizer_, g, UpdateContext{++s.version, lr_scale, &s.var->meta, global_step, false});
   }
 
   void apply_rows(ShardState& s, const detail::RowAccumulator& rows, double lr_scale, std::uint64_t global_step) {
-    const UpdateContext ctx{++s.version, lr_scale, &s.var->meta, global_step, true};
-    const std::size_t width = s.width();
-    for (std::size_t k = 0; k < rows.rows().size(); ++k) {
-      const std::size_t offset = rows.rows()[k] * width;
-      optimizer_.update(std::span<float>(s.params.data() + offset, width),
-                        std::span<const float>(rows.row_data(k), width), s.slot_view(offset, width), ctx);
-      if (!s.low.empty()) detail::to_low(s.var->meta.dtype, s.params.data() + offset, s.low.data() + offset, width);
-    }
+    s.data.apply_rows(optimizer_, rows, UpdateContext{++s.version, lr_scale, &s.var->meta, global_step, true});
   }
 
   StepProgress step_progress(const ShardState& s) const {
@@ -584,7 +531,7 @@ class Server final : public RequestHandler {
         if (sum.empty() && !c.dense.empty()) {
           sum = std::move(c.dense);
         } else if (sum.empty()) {
-          sum.assign(s.params.size(), 0.0f);
+          sum.assign(s.data.size(), 0.0f);
           scatter_add(s, sum, c.rows);
         } else if (!c.dense.empty()) {
           for (std::size_t k = 0; k < sum.size(); ++k) sum[k] += c.dense[k];

@@ -169,12 +169,12 @@ inline std::string floats(std::size_t n) { return std::to_string(n) + (n == 1 ? 
 
 }  // namespace detail
 
-template <class P, class S, class O, class T>
+template <class P, class S, class O, class T, class Storage>
 class ParameterServer;
 
 //! One worker's handle on the cluster. Use it from one thread at a time.
 class Worker {
-  template <class P, class S, class O, class T>
+  template <class P, class S, class O, class T, class Storage>
   friend class ParameterServer;
 
  public:

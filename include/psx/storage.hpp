@@ -1,0 +1,166 @@
+//! @file psx/storage.hpp
+//! Where a server keeps its shards: the fifth, optional parameter of
+//! `psx::ParameterServer<P, S, O, T, Storage>`. `storage::Host` (the default)
+//! keeps parameters, optimizer slots and 16-bit copies in host memory and
+//! applies the optimizer's `update`; `psx::cuda::Device` (`psx/cuda/storage.cuh`,
+//! compiled by nvcc) keeps them in GPU memory and applies the optimizer's CUDA
+//! specialization. The server's logic (sync policies, clocks, errors) is the
+//! same for both.
+//!
+//! A storage type `St` provides `St::shard<O>`, constructed from
+//! `(const O& optimizer, const VariableInfo& v, const Shard& shard)`, with the
+//! members `psx::storage::Host::shard` shows, and `St::host_visible`: whether
+//! `values()` exposes the parameters in host memory (which delay compensation
+//! needs).
+#pragma once
+
+#include <psx/concepts.hpp>
+#include <psx/detail/span.hpp>
+#include <psx/half.hpp>
+#include <psx/variable.hpp>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <span>
+#include <type_traits>
+#include <unordered_map>
+#include <vector>
+
+namespace psx {
+inline namespace v0 {
+
+namespace detail {
+
+// Gradient rows of one shard by distinct (shard-local) row id, summed in
+// order of arrival; rows in order of first appearance.
+class RowAccumulator {
+ public:
+  explicit RowAccumulator(std::size_t width = 0) : width_(width) {}
+
+  void add(std::uint64_t row, const float* g) {
+    auto [it, inserted] = index_.try_emplace(row, rows_.size());
+    if (inserted) {
+      rows_.push_back(row);
+      data_.insert(data_.end(), g, g + width_);
+    } else {
+      float* dst = data_.data() + it->second * width_;
+      for (std::size_t i = 0; i < width_; ++i) dst[i] += g[i];
+    }
+  }
+
+  void clear() noexcept {
+    rows_.clear();
+    data_.clear();
+    index_.clear();
+  }
+
+  bool empty() const noexcept { return rows_.empty(); }
+  std::size_t width() const noexcept { return width_; }
+  const std::vector<std::uint64_t>& rows() const noexcept { return rows_; }
+  std::vector<float>& data() noexcept { return data_; }
+  const std::vector<float>& data() const noexcept { return data_; }
+  const float* row_data(std::size_t k) const noexcept { return data_.data() + k * width_; }
+
+ private:
+  std::size_t width_;
+  std::vector<std::uint64_t> rows_;
+  std::vector<float> data_;
+  std::unordered_map<std::uint64_t, std::size_t> index_;
+};
+
+}  // namespace detail
+
+namespace storage {
+
+//! Shards in host memory; the optimizer's `update` applies gradients.
+struct Host {
+  static constexpr bool host_visible = true;
+
+  template <Optimizer O>
+  class shard {
+   public:
+    shard(const O& optimizer, const VariableInfo& v, const Shard& sh)
+        : dtype_(v.meta.dtype), width_(v.meta.row_width) {
+      const std::size_t n = sh.rows() * width_;
+      params_.resize(n);
+      v.init.fill(v.meta.name, sh.row_begin * width_, params_);
+      const std::size_t num_slots = optimizer.slots();
+      slots_.resize(num_slots * n);
+      for (std::size_t k = 0; k < num_slots; ++k) {
+        bases_.push_back(slots_.data() + k * n);
+        std::fill_n(bases_.back(), n, initial_slot(optimizer, k));
+      }
+      if (dtype_ != DType::float32) {
+        low_.resize(n);
+        detail::to_low(dtype_, params_.data(), low_.data(), n);
+      }
+    }
+
+    //! Floats in the shard.
+    std::size_t size() const noexcept { return params_.size(); }
+    //! Whether a 16-bit copy is kept (bfloat16/float16 variables).
+    bool low_precision() const noexcept { return !low_.empty(); }
+    std::size_t parameter_bytes() const noexcept {
+      return params_.size() * sizeof(float) + low_.size() * sizeof(std::uint16_t);
+    }
+    std::size_t slot_bytes() const noexcept { return slots_.size() * sizeof(float); }
+    //! The float32 parameters, in host memory.
+    std::span<const float> values() const noexcept { return params_; }
+
+    //! Copies the whole shard (float32 master or 16-bit copy) into `out`.
+    void read(std::span<float> out) const noexcept { std::memcpy(out.data(), params_.data(), size() * sizeof(float)); }
+    void read(std::span<std::uint16_t> out) const noexcept {
+      std::memcpy(out.data(), low_.data(), size() * sizeof(std::uint16_t));
+    }
+    //! Copies rows `ids[j] - first_row` to rows `positions[j]` (or j) of `out`.
+    template <class T>
+    void read_rows(std::span<const std::uint64_t> ids, std::size_t first_row, std::span<const std::uint32_t> positions,
+                   std::span<T> out) const noexcept {
+      const T* base = source<T>();
+      for (std::size_t j = 0; j < ids.size(); ++j) {
+        const std::size_t pos = positions.empty() ? j : positions[j];
+        const std::size_t row = ids[j] - first_row;
+        if constexpr (std::is_same_v<T, float>) detail::copy_floats(out.data() + pos * width_, base + row * width_, width_);
+        else std::memcpy(out.data() + pos * width_, base + row * width_, width_ * sizeof(T));
+      }
+    }
+
+    //! Applies a gradient for the whole shard.
+    void apply(const O& optimizer, std::span<const float> g, const UpdateContext& ctx) {
+      optimizer.update(params_, g, slot_view(0, size()), ctx);
+      if (!low_.empty()) detail::to_low(dtype_, params_.data(), low_.data(), size());
+    }
+    //! Applies summed gradient rows (`ctx.rows` set), row by row.
+    void apply_rows(const O& optimizer, const detail::RowAccumulator& rows, const UpdateContext& ctx) {
+      for (std::size_t k = 0; k < rows.rows().size(); ++k) {
+        const std::size_t offset = rows.rows()[k] * width_;
+        optimizer.update(std::span<float>(params_.data() + offset, width_),
+                         std::span<const float>(rows.row_data(k), width_), slot_view(offset, width_), ctx);
+        if (!low_.empty()) detail::to_low(dtype_, params_.data() + offset, low_.data() + offset, width_);
+      }
+    }
+
+   private:
+    SlotView slot_view(std::size_t offset, std::size_t length) const noexcept {
+      return {bases_.data(), bases_.size(), offset, length};
+    }
+    template <class T>
+    const T* source() const noexcept {
+      if constexpr (std::is_same_v<T, float>) return params_.data();
+      else return low_.data();
+    }
+
+    DType dtype_;
+    std::size_t width_;
+    std::vector<float> params_;
+    std::vector<float> slots_;
+    std::vector<float*> bases_;
+    std::vector<std::uint16_t> low_;
+  };
+};
+
+}  // namespace storage
+}  // namespace v0
+}  // namespace psx
