@@ -396,7 +396,10 @@ class Server final : public RequestHandler {
       switch (actions[i].kind) {
         case PushAction::Kind::apply:
           record_staleness(s.version, wv.pulled_version);
-          if (rows) {
+          if (rows && applies_raw_rows && !compensates(s)) {
+            // The storage sums repeated ids itself (on the device).
+            apply_raw_rows(s, item, actions[i].lr_scale, r.clock + 1);
+          } else if (rows) {
             scratch_rows(s, item);
             if (compensates(s) && !wv.pulled.empty()) compensate_rows(s, scratch_, wv);
             apply_rows(s, scratch_, actions[i].lr_scale, r.clock + 1);
@@ -492,6 +495,18 @@ class Server final : public RequestHandler {
 
   void apply_dense(ShardState& s, std::span<const float> g, double lr_scale, std::uint64_t global_step) {
     s.data.apply(optimizer_, g, UpdateContext{++s.version, lr_scale, &s.var->meta, global_step, false});
+  }
+
+  static constexpr bool applies_raw_rows = requires(typename Storage::template shard<O>& d, const O& o, const Item& it) {
+    d.apply_raw_rows(o, it.ids, std::size_t{}, it.positions, it.in, UpdateContext{});
+  };
+
+  void apply_raw_rows(ShardState& s, const Item& item, double lr_scale, std::uint64_t global_step) {
+    if constexpr (applies_raw_rows)
+      s.data.apply_raw_rows(optimizer_, item.ids, s.shard.row_begin, item.positions, item.in,
+                            UpdateContext{++s.version, lr_scale, &s.var->meta, global_step, true});
+    else
+      (void)s, (void)item, (void)lr_scale, (void)global_step;
   }
 
   void apply_rows(ShardState& s, const detail::RowAccumulator& rows, double lr_scale, std::uint64_t global_step) {
