@@ -6,6 +6,7 @@
 // has not). The gradients are drawn here and there from the same splitmix64
 // stream, so the file holds only the trajectories.
 #include <psx/psx.hpp>
+#include <psx/quantize.hpp>
 
 #include <Eigen/Core>
 
@@ -572,6 +573,40 @@ TEST_CASE("optim: the documented set-up trains with AdamW, warm-up + cosine, and
   const std::vector<float> after = ps.read("w");
   CHECK(after[0] < before[0]);
   CHECK(after[0] > before[0] - 1e-4f);
+}
+
+}  // namespace
+
+namespace {
+
+TEST_CASE("quantize: int8 symmetric per tensor and per channel, against hand-computed values") {
+  // max |x| = 2.54 -> scale 0.02; 0.01 / 0.02 = 0.5 rounds to even (0), 0.03 -> 1.5 -> 2.
+  const std::vector<float> x{2.54f, -2.54f, 0.01f, 0.03f, 0.0f, -1.0f};
+  const psx::QuantizedInt8 t = psx::quantize_int8(x, 2, 3, false);
+  REQUIRE(t.scales.size() == 1);
+  CHECK(t.scales[0] == 2.54f / 127.0f);
+  CHECK(t.values == std::vector<std::int8_t>{127, -127, 0, 2, 0, -50});
+  // Per channel: row 1's max is 1 -> scale 1/127.
+  const psx::QuantizedInt8 c = psx::quantize_int8(x, 2, 3, true);
+  REQUIRE(c.scales.size() == 2);
+  CHECK(c.scales[1] == 1.0f / 127.0f);
+  CHECK(c.values[3] == 4);  // 0.03 * 127 = 3.81 -> 4
+  CHECK(c.values[5] == -127);
+  std::vector<float> back(6);
+  psx::dequantize(c, back);
+  CHECK(back[5] == -127.0f * (1.0f / 127.0f));
+  for (std::size_t i = 0; i < 6; ++i) CHECK(std::abs(back[i] - x[i]) <= c.scales[i / 3] / 2);
+  // All zeros: scale 1, values 0. NaN quantizes to 0 and does not set the scale.
+  const psx::QuantizedInt8 z = psx::quantize_int8(std::vector<float>{0.0f, std::nanf(""), 1.27f}, 1, 3, false);
+  CHECK(z.scales[0] == 1.27f / 127.0f);
+  CHECK(z.values[1] == 0);
+  CHECK(psx::quantize_int8(std::vector<float>(4, 0.0f), 2, 2, true).scales == std::vector<float>{1.0f, 1.0f});
+  CHECK(message_of<psx::shape_error>([&] { (void)psx::quantize_int8(x, 4, 2, false); }) ==
+        "psx::quantize_int8: a 4 x 2 tensor needs more than the 6 values given");
+  CHECK(message_of<psx::shape_error>([&] { (void)psx::quantize_int8(x, 1, 4, false); }) ==
+        "psx::quantize_int8: a 1 x 4 tensor has 4 values, 6 given");
+  std::vector<float> small(5);
+  CHECK_THROWS_AS(psx::dequantize(c, small), psx::shape_error);
 }
 
 }  // namespace

@@ -1,0 +1,290 @@
+//! @file psx/cuda/storage.cuh
+//! `psx::cuda::Device`: a storage type that keeps each server's shards
+//! (parameters, optimizer slots, 16-bit copies) in GPU memory, so that
+//!
+//!     psx::ParameterServer<P, S, psx::optim::Adam, T, psx::cuda::Device>
+//!
+//! applies Adam through its CUDA specialization (`psx/cuda/optim.cuh`) on the
+//! device, gathers pulled rows on the device and deduplicates pushed rows with
+//! CUB (`psx::cuda::RowDedup`). The server logic (sync policies, clocks,
+//! errors) is the host code of every other storage; workers' buffers may be
+//! host or device memory (copies use cudaMemcpyDefault). Compile with nvcc.
+//!
+//! Each shard owns a CUDA stream on the device current when the server was
+//! built; every operation is complete when its call returns. Delay
+//! compensation (DC-ASGD) reads parameters on the host and is refused at
+//! start with this storage.
+#pragma once
+
+#include <psx/cuda/kernels.cuh>
+#include <psx/storage.hpp>
+
+#include <cstdint>
+#include <span>
+#include <type_traits>
+#include <vector>
+
+namespace psx {
+inline namespace v0 {
+namespace cuda {
+
+namespace detail {
+
+// out[k, :] = src[rows[k], :] for 16-bit rows. (A template, like every kernel
+// of these headers, so that several translation units may include them.)
+template <class = void>
+__global__ void gather_bits_kernel(const std::uint16_t* src, std::size_t width, const std::uint64_t* rows,
+                                   std::size_t n, std::uint16_t* out) {
+  const std::size_t total = n * width, stride = std::size_t{gridDim.x} * blockDim.x;
+  for (std::size_t t = std::size_t{blockIdx.x} * blockDim.x + threadIdx.x; t < total; t += stride)
+    out[t] = src[rows[t / width] * width + t % width];
+}
+
+// dst[positions[k], :] = src[k, :]: rows into a caller's device buffer.
+template <class T>
+__global__ void scatter_rows_kernel(const T* src, std::size_t width, const std::uint32_t* positions, std::size_t n,
+                                    T* dst) {
+  const std::size_t total = n * width, stride = std::size_t{gridDim.x} * blockDim.x;
+  for (std::size_t t = std::size_t{blockIdx.x} * blockDim.x + threadIdx.x; t < total; t += stride)
+    dst[std::size_t{positions[t / width]} * width + t % width] = src[t];
+}
+
+// low[rows[k], :] = 16-bit(params[rows[k], :]) after a row update.
+template <bool Bf16>
+__global__ void low_rows_kernel(const float* params, std::size_t width, const std::uint64_t* rows, std::size_t n,
+                                std::uint16_t* low) {
+  const std::size_t total = n * width, stride = std::size_t{gridDim.x} * blockDim.x;
+  for (std::size_t t = std::size_t{blockIdx.x} * blockDim.x + threadIdx.x; t < total; t += stride) {
+    const std::size_t at = rows[t / width] * width + t % width;
+    if constexpr (Bf16) low[at] = bfloat16_bits(params[at]);
+    else low[at] = float16_bits(params[at]);
+  }
+}
+
+inline unsigned blocks_for(std::size_t work) {
+  const std::size_t b = (work + 255) / 256;
+  return static_cast<unsigned>(b < 4096 ? (b == 0 ? 1 : b) : 4096);
+}
+
+inline bool on_device(const void* p) {
+  cudaPointerAttributes a{};
+  if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
+    (void)cudaGetLastError();  // plain host memory on old drivers
+    return false;
+  }
+  return a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged;
+}
+
+}  // namespace detail
+
+//! Shards in GPU memory; gradients applied by the optimizers' CUDA
+//! specializations (`psx::cuda::update`, `update_rows`).
+struct Device {
+  static constexpr bool host_visible = false;
+
+  template <Optimizer O>
+  class shard {
+   public:
+    shard(const O& optimizer, const VariableInfo& v, const Shard& sh)
+        : dtype_(v.meta.dtype), width_(v.meta.row_width), n_(sh.rows() * v.meta.row_width) {
+      if (optimizer.slots() > 4)
+        throw config_error("psx::cuda::Device: variable '" + v.meta.name + "': the optimizer keeps " +
+                           std::to_string(optimizer.slots()) + " slots per parameter, at most 4 on the device");
+      check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "psx::cuda::Device: cudaStreamCreate");
+      std::vector<float> host(n_);
+      v.init.fill(v.meta.name, sh.row_begin * width_, host);
+      params_ = buffer<float>(n_);
+      upload(params_.data(), host.data(), n_);
+      slots_ = buffer<float>(optimizer.slots() * n_);
+      for (std::size_t k = 0; k < optimizer.slots(); ++k) {
+        std::fill(host.begin(), host.end(), initial_slot(optimizer, k));
+        upload(slots_.data() + k * n_, host.data(), n_);
+        slots_view_.slot[k] = slots_.data() + k * n_;
+      }
+      slots_view_.count = optimizer.slots();
+      if (dtype_ != DType::float32) {
+        low_ = buffer<std::uint16_t>(n_);
+        refresh_low();
+      }
+      finish("initialize");
+    }
+    ~shard() {
+      if (stream_) cudaStreamDestroy(stream_);
+    }
+    shard(const shard&) = delete;
+    shard& operator=(const shard&) = delete;
+
+    std::size_t size() const noexcept { return n_; }
+    bool low_precision() const noexcept { return !low_.empty(); }
+    std::size_t parameter_bytes() const noexcept { return params_.bytes() + low_.bytes(); }
+    std::size_t slot_bytes() const noexcept { return slots_.bytes(); }
+
+    //! Copies the shard into `out` (host or device memory).
+    void read(std::span<float> out) const { copy_out(out.data(), params_.data(), n_ * sizeof(float)); }
+    void read(std::span<std::uint16_t> out) const {
+      copy_out(out.data(), low_.data(), n_ * sizeof(std::uint16_t));
+    }
+
+    //! Gathers rows `ids[j] - first_row` on the device, then places them at
+    //! rows `positions[j]` (or j) of `out`.
+    template <class T>
+    void read_rows(std::span<const std::uint64_t> ids, std::size_t first_row, std::span<const std::uint32_t> positions,
+                   std::span<T> out) const {
+      const std::size_t n = ids.size();
+      if (n == 0) return;
+      upload_rows(ids, first_row);
+      T* staged = reinterpret_cast<T*>(stage(n * width_ * sizeof(T)));
+      if constexpr (std::is_same_v<T, float>) {
+        gather_rows(params_.data(), width_, rows_.data(), n, staged, stream_);
+      } else {
+        detail::gather_bits_kernel<><<<detail::blocks_for(n * width_), 256, 0, stream_>>>(low_.data(), width_,
+                                                                                         rows_.data(), n, staged);
+        detail::check_launch("psx::cuda::Device: gather of 16-bit rows");
+      }
+      if (positions.empty()) {
+        copy_out(out.data(), staged, n * width_ * sizeof(T));
+      } else if (detail::on_device(out.data())) {
+        positions_.resize_for(n);
+        check(cudaMemcpyAsync(positions_.data(), positions.data(), n * sizeof(std::uint32_t), cudaMemcpyHostToDevice,
+                              stream_),
+              "psx::cuda::Device: upload of row positions");
+        detail::scatter_rows_kernel<T>
+            <<<detail::blocks_for(n * width_), 256, 0, stream_>>>(staged, width_, positions_.data(), n, out.data());
+        detail::check_launch("psx::cuda::Device: scatter of pulled rows");
+        finish("pull_rows");
+      } else {
+        host_rows_.resize(n * width_ * sizeof(T));
+        copy_out(host_rows_.data(), staged, n * width_ * sizeof(T));
+        const T* src = reinterpret_cast<const T*>(host_rows_.data());
+        for (std::size_t j = 0; j < n; ++j)
+          std::memcpy(out.data() + std::size_t{positions[j]} * width_, src + j * width_, width_ * sizeof(T));
+      }
+    }
+
+    //! Applies a gradient for the whole shard (host or device memory).
+    void apply(const O& optimizer, std::span<const float> g, const UpdateContext& ctx) {
+      grads_.resize_for(n_);
+      check(cudaMemcpyAsync(grads_.data(), g.data(), n_ * sizeof(float), cudaMemcpyDefault, stream_),
+            "psx::cuda::Device: upload of a gradient");
+      update(optimizer, params_.data(), grads_.data(), slots_view_, n_, ctx, stream_);
+      if (!low_.empty()) refresh_low();
+      finish("push");
+    }
+
+    //! Applies summed gradient rows (summed on the host by the server).
+    void apply_rows(const O& optimizer, const psx::detail::RowAccumulator& rows, const UpdateContext& ctx) {
+      const std::size_t n = rows.rows().size();
+      if (n == 0) return;
+      rows_.resize_for(n);
+      grads_.resize_for(n * width_);
+      check(cudaMemcpyAsync(rows_.data(), rows.rows().data(), n * sizeof(std::uint64_t), cudaMemcpyHostToDevice,
+                            stream_),
+            "psx::cuda::Device: upload of row ids");
+      check(cudaMemcpyAsync(grads_.data(), rows.data().data(), n * width_ * sizeof(float), cudaMemcpyHostToDevice,
+                            stream_),
+            "psx::cuda::Device: upload of gradient rows");
+      update_rows(optimizer, params_.data(), slots_view_, width_, rows_.data(), grads_.data(), n, ctx, stream_);
+      if (!low_.empty()) refresh_low_rows(rows_.data(), n);
+      finish("push_rows");
+    }
+
+    //! Applies a row push as it came: ids `ids[j]` (global, of this shard) with
+    //! gradient row `positions[j]` (or j) of `grads`; repeated ids are summed
+    //! on the device (CUB radix sort, then each id's rows in push order).
+    void apply_raw_rows(const O& optimizer, std::span<const std::uint64_t> ids, std::size_t first_row,
+                        std::span<const std::uint32_t> positions, std::span<const float> grads,
+                        const UpdateContext& ctx) {
+      const std::size_t n = ids.size();
+      if (n == 0) return;
+      upload_rows(ids, first_row);
+      grads_.resize_for(n * width_);
+      if (positions.empty()) {
+        check(cudaMemcpyAsync(grads_.data(), grads.data(), n * width_ * sizeof(float), cudaMemcpyDefault, stream_),
+              "psx::cuda::Device: upload of gradient rows");
+      } else {
+        // Rows of this shard, in push order, from the caller's buffer.
+        host_rows_.resize(n * width_ * sizeof(float));
+        float* dst = reinterpret_cast<float*>(host_rows_.data());
+        for (std::size_t j = 0; j < n; ++j)
+          std::memcpy(dst + j * width_, grads.data() + std::size_t{positions[j]} * width_, width_ * sizeof(float));
+        check(cudaMemcpyAsync(grads_.data(), dst, n * width_ * sizeof(float), cudaMemcpyHostToDevice, stream_),
+              "psx::cuda::Device: upload of gradient rows");
+      }
+      const std::size_t unique = dedup_.run(rows_.data(), grads_.data(), n, width_, stream_);
+      update_rows(optimizer, params_.data(), slots_view_, width_, dedup_.unique_ids(), dedup_.sums(), unique, ctx,
+                  stream_);
+      if (!low_.empty()) refresh_low_rows(dedup_.unique_ids(), unique);
+      finish("push_rows");
+    }
+
+   private:
+    // A device buffer that only grows.
+    template <class T>
+    struct scratch {
+      buffer<T> b;
+      void resize_for(std::size_t n) {
+        if (b.size() < n) b = buffer<T>(n);
+      }
+      T* data() noexcept { return b.data(); }
+    };
+
+    void upload(float* dst, const float* src, std::size_t n) {
+      check(cudaMemcpyAsync(dst, src, n * sizeof(float), cudaMemcpyHostToDevice, stream_),
+            "psx::cuda::Device: upload");
+      finish("upload");
+    }
+    void upload_rows(std::span<const std::uint64_t> ids, std::size_t first_row) const {
+      local_.resize(ids.size());
+      for (std::size_t j = 0; j < ids.size(); ++j) local_[j] = ids[j] - first_row;
+      rows_.resize_for(ids.size());
+      check(cudaMemcpyAsync(rows_.data(), local_.data(), ids.size() * sizeof(std::uint64_t), cudaMemcpyHostToDevice,
+                            stream_),
+            "psx::cuda::Device: upload of row ids");
+    }
+    void* stage(std::size_t bytes) const {
+      stage_.resize_for(bytes);
+      return stage_.data();
+    }
+    void copy_out(void* dst, const void* src, std::size_t bytes) const {
+      check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream_), "psx::cuda::Device: copy of a pull");
+      finish("pull");
+    }
+    void refresh_low() {
+      if (dtype_ == DType::bfloat16) convert(params_.data(), reinterpret_cast<bfloat16*>(low_.data()), n_, stream_);
+      else convert(params_.data(), reinterpret_cast<float16*>(low_.data()), n_, stream_);
+    }
+    void refresh_low_rows(const std::uint64_t* rows, std::size_t n) {
+      if (dtype_ == DType::bfloat16)
+        detail::low_rows_kernel<true>
+            <<<detail::blocks_for(n * width_), 256, 0, stream_>>>(params_.data(), width_, rows, n, low_.data());
+      else
+        detail::low_rows_kernel<false>
+            <<<detail::blocks_for(n * width_), 256, 0, stream_>>>(params_.data(), width_, rows, n, low_.data());
+      detail::check_launch("psx::cuda::Device: 16-bit copy of updated rows");
+    }
+    void finish(const char* what) const {
+      check(cudaStreamSynchronize(stream_), std::string("psx::cuda::Device: ") + what);
+    }
+
+    DType dtype_;
+    std::size_t width_;
+    std::size_t n_;
+    cudaStream_t stream_ = nullptr;
+    buffer<float> params_;
+    buffer<float> slots_;
+    buffer<std::uint16_t> low_;
+    DeviceSlots slots_view_;
+    // Scratch, reused across calls (one server thread uses a shard).
+    mutable scratch<std::uint64_t> rows_;
+    mutable scratch<std::uint32_t> positions_;
+    mutable scratch<float> grads_;
+    mutable scratch<unsigned char> stage_;
+    mutable std::vector<std::uint64_t> local_;
+    mutable std::vector<unsigned char> host_rows_;
+    RowDedup dedup_;
+  };
+};
+
+}  // namespace cuda
+}  // namespace v0
+}  // namespace psx

@@ -1,0 +1,191 @@
+// Tests of psx::cuda::Device, the GPU storage of a ParameterServer: the same
+// training on host storage and on device storage must agree (within 1e-6 of
+// each tensor's scale: the device kernels may fuse multiply-adds), for every
+// optimizer, dense and sparse pushes, synchronous (rows summed on the host)
+// and asynchronous (rows deduplicated on the device) policies, pulls into
+// host and device buffers, and 16-bit variables.
+//
+// Without a CUDA device the program prints why and exits with 77 (ctest's
+// SKIP_RETURN_CODE).
+#define DOCTEST_CONFIG_IMPLEMENT
+#include <doctest/doctest.h>
+
+#include <psx/cuda/storage.cuh>
+#include <psx/psx.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+namespace {
+
+constexpr std::size_t kRows = 300, kWidth = 20, kDense = 1000, kSteps = 12;
+
+struct Splitmix64 {
+  std::uint64_t state;
+  std::uint64_t next() {
+    std::uint64_t z = (state += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+  }
+  float uniform() { return static_cast<float>(static_cast<double>(next() >> 40) * 0x1p-24 * 2.0 - 1.0); }
+};
+
+double scaled_error(const std::vector<float>& got, const std::vector<float>& want) {
+  double scale = 0.0, worst = 0.0;
+  for (float x : want) scale = std::max(scale, static_cast<double>(std::abs(x)));
+  for (std::size_t i = 0; i < got.size(); ++i)
+    worst = std::max(worst, std::abs(static_cast<double>(got[i]) - want[i]) / std::max(scale, 1e-30));
+  return worst;
+}
+
+// Trains 2 workers for kSteps on a dense and a sparse variable (RowRange over
+// 3 servers, so rows arrive with positions) and returns both variables.
+template <class Storage, class S, class O>
+std::pair<std::vector<float>, std::vector<float>> train(const S& sync, const O& opt) {
+  psx::ParameterServer<psx::partition::RowRange, S, O, psx::transport::InProcess, Storage> ps({3, 2}, {}, sync, opt);
+  ps.declare(psx::dense("w", {kDense}, psx::Initializer::uniform(-1, 1, 1)));
+  ps.declare(psx::sparse("e", kRows, kWidth, psx::Initializer::normal(0, 0.5f, 2)));
+  ps.run([](psx::Worker& w) {
+    Splitmix64 rng{100 + w.index()};
+    std::vector<float> dense(kDense), g(kDense);
+    for (std::size_t step = 0; step < kSteps; ++step) {
+      w.pull("w", dense);
+      for (std::size_t i = 0; i < kDense; ++i) g[i] = rng.uniform() + 0.01f * dense[i];
+      // Repeated ids on purpose: the storage must sum them.
+      std::vector<std::uint64_t> ids(64);
+      for (auto& id : ids) id = rng.next() % kRows;
+      std::vector<float> rows(ids.size() * kWidth);
+      w.pull_rows("e", ids, rows);
+      for (float& x : rows) x = rng.uniform() * 0.5f + 0.1f * x;
+      w.push("w", g);
+      w.push_rows("e", ids, rows);
+      w.step();
+    }
+  });
+  return {ps.read("w"), ps.read("e")};
+}
+
+template <class S, class O>
+void same_on_device(const S& sync, const O& opt) {
+  INFO(opt << " with " << sync);
+  const auto host = train<psx::storage::Host>(sync, opt);
+  const auto device = train<psx::cuda::Device>(sync, opt);
+  const double dense = scaled_error(device.first, host.first), sparse = scaled_error(device.second, host.second);
+  MESSAGE(opt << ", " << sync << ": dense " << dense << ", rows " << sparse);
+  CHECK(dense <= 1e-6);
+  CHECK(sparse <= 1e-6);
+}
+
+TEST_CASE("cuda::Device trains like host storage, every optimizer, synchronous (rows summed on the host)") {
+  const psx::sync::Synchronous bsp{};
+  same_on_device(bsp, psx::optim::SGD{0.05, 0.9, 0.0, true, 0.01});
+  same_on_device(bsp, psx::optim::Adagrad{0.1, 0.01, 0.0, 0.1});
+  same_on_device(bsp, psx::optim::RMSProp{0.01, 0.9, 1e-8, 0.01, 0.5, true});
+  same_on_device(bsp, psx::optim::Adam{0.01, 0.9, 0.999, 1e-8, 0.0, true});
+  same_on_device(bsp, psx::optim::AdamW{0.01});
+  same_on_device(bsp, psx::optim::Ftrl{0.1, -0.5, 0.01, 0.01});
+  same_on_device(bsp, psx::optim::scheduled(psx::optim::Adam{0.01}, psx::schedule::Cosine{10, 0.1}));
+}
+
+TEST_CASE("cuda::Device trains like host storage, asynchronous (rows deduplicated on the device)") {
+  // One worker so that the order of pushes, hence the result, is fixed.
+  auto one_worker = [](const auto& opt) {
+    using O = std::decay_t<decltype(opt)>;
+    auto run = [&]<class Storage>(Storage) {
+      psx::ParameterServer<psx::partition::RowRange, psx::sync::Asynchronous, O, psx::transport::InProcess, Storage>
+          ps({2, 1}, {}, {}, opt);
+      ps.declare(psx::sparse("e", kRows, kWidth, psx::Initializer::normal(0, 0.5f, 2)));
+      ps.start();
+      psx::Worker w = ps.worker(0);
+      Splitmix64 rng{7};
+      for (std::size_t step = 0; step < kSteps; ++step) {
+        std::vector<std::uint64_t> ids(500);
+        for (auto& id : ids) id = rng.next() % 40 + (rng.next() % 2) * 200;  // few rows, many repeats, both shards
+        std::vector<float> g(ids.size() * kWidth);
+        for (float& x : g) x = rng.uniform();
+        w.push_rows("e", ids, g);
+        w.step();
+      }
+      return ps.read("e");
+    };
+    const auto host = run(psx::storage::Host{});
+    const auto device = run(psx::cuda::Device{});
+    const double e = scaled_error(device, host);
+    MESSAGE(opt << ", asynchronous rows: " << e);
+    CHECK(e <= 1e-6);
+  };
+  one_worker(psx::optim::Adam{0.01});
+  one_worker(psx::optim::Adagrad{0.1});
+  one_worker(psx::optim::SGD{0.1, 0.9});
+  one_worker(psx::optim::Ftrl{0.1, -0.5, 0.01, 0.01});
+}
+
+TEST_CASE("cuda::Device serves pulls into device buffers, 16-bit copies, and reports its bytes") {
+  psx::ParameterServer<psx::partition::RowRange, psx::sync::Synchronous, psx::optim::Adam, psx::transport::InProcess,
+                       psx::cuda::Device>
+      ps({2, 1}, {}, {}, {0.01});
+  psx::VariableSpec e = psx::sparse("e", 50, 8, psx::Initializer::uniform(-2, 2, 3));
+  e.dtype = psx::DType::bfloat16;
+  ps.declare(e);
+  ps.start();
+  psx::Worker w = ps.worker(0);
+  const std::vector<std::uint64_t> ids{49, 3, 30, 3};
+  std::vector<float> g(ids.size() * 8, 0.25f);
+  w.push_rows("e", ids, g);
+  w.step();
+  const std::vector<float> master = ps.read("e");
+
+  // Rows into a device buffer (the scatter kernel), then back.
+  psx::cuda::buffer<float> on_device(ids.size() * 8);
+  w.pull_rows("e", ids, std::span<float>(on_device.data(), on_device.size()));
+  std::vector<float> back(ids.size() * 8);
+  on_device.copy_to(back);
+  for (std::size_t j = 0; j < ids.size(); ++j)
+    for (std::size_t k = 0; k < 8; ++k) CHECK(back[j * 8 + k] == master[ids[j] * 8 + k]);
+
+  // The 16-bit copy of updated and untouched rows.
+  std::vector<psx::bfloat16> low(ids.size() * 8);
+  w.pull_rows("e", ids, std::span(low));
+  for (std::size_t j = 0; j < ids.size(); ++j)
+    for (std::size_t k = 0; k < 8; ++k) CHECK(low[j * 8 + k] == psx::bfloat16::from_float(master[ids[j] * 8 + k]));
+  std::vector<psx::bfloat16> all(50 * 8);
+  w.pull("e", std::span(all));
+  for (std::size_t i = 0; i < all.size(); ++i) CHECK(all[i] == psx::bfloat16::from_float(master[i]));
+
+  const psx::ServerStats st = ps.stats();
+  CHECK(st.slot_bytes == 50 * 8 * 2 * sizeof(float));
+  CHECK(st.parameter_bytes == 50 * 8 * (sizeof(float) + 2));
+}
+
+TEST_CASE("cuda::Device refuses delay compensation, which reads parameters on the host") {
+  using PS = psx::ParameterServer<psx::partition::RowRange, psx::sync::Asynchronous, psx::optim::SGD,
+                                  psx::transport::InProcess, psx::cuda::Device>;
+  PS ps({1, 1}, {}, psx::sync::Asynchronous{.delay_compensation = 0.5f}, {0.1});
+  ps.declare(psx::dense("w", {4}));
+  try {
+    ps.start();
+    FAIL("start() accepted delay compensation on device storage");
+  } catch (const psx::config_error& e) {
+    CHECK(std::string(e.what()) == "psx: server 0: variable 'w': delay compensation reads parameters on the host; "
+                                   "this storage keeps them elsewhere");
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int devices = 0;
+  const cudaError_t status = cudaGetDeviceCount(&devices);
+  if (status != cudaSuccess || devices == 0) {
+    std::printf("psx cuda storage tests: skipped: no CUDA device (%s)\n",
+                status != cudaSuccess ? cudaGetErrorString(status) : "no device");
+    return 77;
+  }
+  doctest::Context context(argc, argv);
+  return context.run();
+}
