@@ -361,6 +361,14 @@ float initial_slot(const O& o, std::size_t k) {
   else return 0.0f;
 }
 
+//! Whether optimizer type O applies row pushes (true unless O says
+//! `static constexpr bool accepts_rows = false`, as LAMB does).
+template <class O>
+constexpr bool accepts_rows() {
+  if constexpr (requires { O::accepts_rows; }) return O::accepts_rows;
+  else return true;
+}
+
 //! Lets optimizer `o` refuse variable `v`, split into `shards` shards
 //! (throws psx::config_error); accepts everything unless `o` says.
 template <class O>
@@ -385,7 +393,13 @@ void validate_optimizer(const O& o, const VariableMeta& v, std::size_t shards) {
 //!    (0 without it), e.g. Adagrad's initial accumulator;
 //!  - `void validate(const psx::VariableMeta& v, std::size_t shards) const`:
 //!    throws psx::config_error to refuse a variable at `declare`, e.g. LAMB
-//!    refusing a variable split across servers.
+//!    refusing a variable split across servers;
+//!  - `static constexpr bool accepts_rows = false`: the server refuses row
+//!    pushes (LAMB).
+//!
+//! `update` may assume that `w`, `g` and the slots do not overlap (the
+//! built-ins' loops use restrict pointers); the server never passes
+//! overlapping spans.
 //!
 //! @code
 //! struct PlainSGD {

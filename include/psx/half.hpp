@@ -2,7 +2,8 @@
 //! The 16-bit storage types of mixed-precision variables: `psx::bfloat16`
 //! and `psx::float16` (IEEE 754 binary16). They only store and convert;
 //! arithmetic is done in float32. Conversions round to nearest, ties to
-//! even, keep infinities and signed zeros, and turn NaN into a quiet NaN;
+//! even, keep infinities and signed zeros, and make a NaN quiet when narrowing
+//! (widening keeps a NaN's payload);
 //! tests check them against Eigen's `Eigen::bfloat16` and `Eigen::half` for
 //! every 16-bit pattern and millions of floats. They are written here, not
 //! taken from Eigen, so that the core stays free of dependencies.

@@ -53,6 +53,15 @@ void with_flags(F&& f, bool flag, Rest... rest) {
 
 inline double effective_lr(double lr, const UpdateContext& ctx) noexcept { return lr * ctx.lr_scale; }
 
+// Refuses a hyper-parameter, as PyTorch's constructors do (ValueError there,
+// config_error at `declare` here), naming the optimizer, the variable and
+// the rule.
+inline void require(bool ok, const char* optimizer, const VariableMeta& v, const char* rule) {
+  if (!ok)
+    throw config_error(std::string("psx: optim::") + optimizer + " for '" + v.name + "': needs " + rule);
+}
+inline bool is_beta(double b) noexcept { return b >= 0.0 && b < 1.0; }
+
 // The `t` of bias corrections, learning-rate decay and first-step rules: the
 // shard's update count for dense pushes, the global step for row pushes
 // (a shard's rows may go untouched for steps; PyTorch's SparseAdam and
@@ -86,8 +95,9 @@ constexpr std::size_t bytes_per_parameter(const O& o) noexcept {
 //!     w -= lr * g
 //!
 //! One slot (the momentum buffer) when `momentum != 0`, none otherwise.
-//! Rows: a row first pushed after global step 1 starts from b = 0, i.e.
-//! `b = (1 - dampening) * g` (identical to PyTorch when dampening is 0).
+//! Rows: the buffer starts at 0 and is always `momentum * b + (1 - dampening) * g`,
+//! so a row's first push gives `b = (1 - dampening) * g` (PyTorch's rule when
+//! dampening is 0; PyTorch's sparse SGD has no momentum).
 struct SGD {
   double lr = 0.01;
   double momentum = 0.0;
@@ -98,6 +108,8 @@ struct SGD {
   std::size_t slots() const noexcept { return momentum != 0.0 ? 1 : 0; }
 
   void validate(const VariableMeta& v, std::size_t) const {
+    detail::require(lr >= 0.0 && momentum >= 0.0 && weight_decay >= 0.0, "SGD", v,
+                    "lr, momentum and weight_decay >= 0");
     if (nesterov && (momentum <= 0.0 || dampening != 0.0))
       throw config_error("psx: optim::SGD for '" + v.name +
                          "': Nesterov momentum needs momentum > 0 and dampening = 0");
@@ -114,7 +126,7 @@ struct SGD {
     const float* gp = g.data();
     float* b = momentum != 0.0 ? s[0].data() : nullptr;
     detail::with_flags([&](auto... flags) { loop<decltype(flags)::value...>(n, wp, gp, b, neg_lr, wd, mu, keep); },
-                       weight_decay != 0.0, momentum != 0.0, detail::t_of(ctx) == 1, nesterov);
+                       weight_decay != 0.0, momentum != 0.0, !ctx.rows && ctx.step == 1, nesterov);
   }
 
   // Scalars by value and restrict pointers: nothing the loop stores can
@@ -167,6 +179,12 @@ struct Adagrad {
 
   std::size_t slots() const noexcept { return 1; }
   float initial_slot(std::size_t) const noexcept { return static_cast<float>(initial_accumulator_value); }
+
+  void validate(const VariableMeta& v, std::size_t) const {
+    detail::require(lr >= 0.0 && lr_decay >= 0.0 && weight_decay >= 0.0 && initial_accumulator_value >= 0.0 &&
+                        eps >= 0.0,
+                    "Adagrad", v, "lr, lr_decay, weight_decay, initial_accumulator_value and eps >= 0");
+  }
 
   void update(std::span<float> w, std::span<const float> g, const SlotView& s,
               const UpdateContext& ctx) const noexcept {
@@ -223,6 +241,11 @@ struct RMSProp {
   bool centered = false;
 
   std::size_t slots() const noexcept { return 1 + (centered ? 1 : 0) + (momentum > 0.0 ? 1 : 0); }
+
+  void validate(const VariableMeta& v, std::size_t) const {
+    detail::require(lr >= 0.0 && alpha >= 0.0 && eps >= 0.0 && weight_decay >= 0.0 && momentum >= 0.0, "RMSProp",
+                    v, "lr, alpha, eps, weight_decay and momentum >= 0");
+  }
 
   void update(std::span<float> w, std::span<const float> g, const SlotView& s,
               const UpdateContext& ctx) const noexcept {
@@ -378,6 +401,10 @@ struct Adam {
   bool amsgrad = false;
 
   std::size_t slots() const noexcept { return amsgrad ? 3 : 2; }
+  void validate(const VariableMeta& v, std::size_t) const {
+    detail::require(lr >= 0.0 && eps >= 0.0 && weight_decay >= 0.0, "Adam", v, "lr, eps and weight_decay >= 0");
+    detail::require(detail::is_beta(beta1) && detail::is_beta(beta2), "Adam", v, "beta1 and beta2 in [0, 1)");
+  }
   void update(std::span<float> w, std::span<const float> g, const SlotView& s,
               const UpdateContext& ctx) const noexcept {
     detail::AdamCore{lr, beta1, beta2, eps, weight_decay, amsgrad, false}.update(w, g, s, ctx);
@@ -404,6 +431,10 @@ struct AdamW {
   bool amsgrad = false;
 
   std::size_t slots() const noexcept { return amsgrad ? 3 : 2; }
+  void validate(const VariableMeta& v, std::size_t) const {
+    detail::require(lr >= 0.0 && eps >= 0.0 && weight_decay >= 0.0, "AdamW", v, "lr, eps and weight_decay >= 0");
+    detail::require(detail::is_beta(beta1) && detail::is_beta(beta2), "AdamW", v, "beta1 and beta2 in [0, 1)");
+  }
   void update(std::span<float> w, std::span<const float> g, const SlotView& s,
               const UpdateContext& ctx) const noexcept {
     detail::AdamCore{lr, beta1, beta2, eps, weight_decay, amsgrad, true}.update(w, g, s, ctx);
@@ -430,7 +461,9 @@ static_assert(Optimizer<AdamW>);
 //!     w      = |z| > l1 ? (sign(z) * l1 - z) / (n'^(-lr_power) / lr + 2 * l2) : 0
 //!     n      = n'
 //!
-//! `lr_power = -0.5` uses square roots, as TensorFlow does. Rows are lazy,
+//! `lr_power = -0.5` uses square roots, as TensorFlow does. An update whose
+//! learning rate (after the policy's and schedule's factors) is 0 changes
+//! nothing (TensorFlow refuses lr <= 0; a schedule may reach 0). Rows are lazy,
 //! exactly TensorFlow's sparse kernel. Slots: n, z (12 bytes per parameter).
 //! The sync policy's and the schedule's factors scale `lr`.
 struct Ftrl {
@@ -446,14 +479,17 @@ struct Ftrl {
   }
 
   void validate(const VariableMeta& v, std::size_t) const {
-    if (lr_power > 0.0 || initial_accumulator_value < 0.0 || l1 < 0.0 || l2 < 0.0)
+    if (!(lr > 0.0) || lr_power > 0.0 || initial_accumulator_value < 0.0 || l1 < 0.0 || l2 < 0.0)
       throw config_error("psx: optim::Ftrl for '" + v.name +
-                         "': needs lr_power <= 0, initial_accumulator_value >= 0, l1 >= 0 and l2 >= 0");
+                         "': needs lr > 0, lr_power <= 0, initial_accumulator_value >= 0, l1 >= 0 and l2 >= 0");
   }
 
   void update(std::span<float> w, std::span<const float> g, const SlotView& s,
               const UpdateContext& ctx) const noexcept {
     const float lr_t = static_cast<float>(detail::effective_lr(lr, ctx));
+    // A schedule's factor 0 (e.g. Warmup's first step) would divide by 0 and
+    // corrupt z for good: at learning rate 0 FTRL leaves everything as it is.
+    if (!(lr_t > 0.0f)) return;
     const float l1f = static_cast<float>(l1), two_l2 = static_cast<float>(2.0 * l2);
     const float power = static_cast<float>(-lr_power);
     detail::with_flags([&](auto... flags) {
@@ -523,7 +559,12 @@ struct Lamb {
 
   std::size_t slots() const noexcept { return 2; }
 
+  //! LAMB does not apply row pushes: the server refuses them (a row is not a layer).
+  static constexpr bool accepts_rows = false;
+
   void validate(const VariableMeta& v, std::size_t shards) const {
+    detail::require(lr >= 0.0 && eps >= 0.0 && weight_decay >= 0.0, "Lamb", v, "lr, eps and weight_decay >= 0");
+    detail::require(detail::is_beta(beta1) && detail::is_beta(beta2), "Lamb", v, "beta1 and beta2 in [0, 1)");
     if (v.kind == VariableKind::sparse)
       throw config_error("psx: optim::Lamb: variable '" + v.name +
                          "' is sparse; LAMB's trust ratio is per layer and a row is not one");

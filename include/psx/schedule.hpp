@@ -52,6 +52,10 @@ struct Exponential {
     const double p = static_cast<double>(t) / static_cast<double>(decay_steps);
     return std::pow(decay_rate, staircase ? std::floor(p) : p);
   }
+  void validate() const {
+    if (decay_steps == 0 || !(decay_rate > 0.0))
+      throw config_error("psx: schedule::Exponential needs decay_steps >= 1 and decay_rate > 0");
+  }
   friend bool operator==(const Exponential&, const Exponential&) = default;
   friend std::ostream& operator<<(std::ostream& os, const Exponential& s) {
     return os << "Exponential{decay_steps=" << s.decay_steps << ", decay_rate=" << s.decay_rate
@@ -71,6 +75,10 @@ struct Polynomial {
     const double s = static_cast<double>(std::min(t, decay_steps)) / static_cast<double>(decay_steps);
     return (1.0 - end) * std::pow(1.0 - s, power) + end;
   }
+  void validate() const {
+    if (decay_steps == 0 || !(power > 0.0) || !(end >= 0.0))
+      throw config_error("psx: schedule::Polynomial needs decay_steps >= 1, power > 0 and end >= 0");
+  }
   friend bool operator==(const Polynomial&, const Polynomial&) = default;
   friend std::ostream& operator<<(std::ostream& os, const Polynomial& s) {
     return os << "Polynomial{decay_steps=" << s.decay_steps << ", end=" << s.end << ", power=" << s.power << '}';
@@ -86,8 +94,9 @@ struct Piecewise {
   std::vector<double> values{1.0};
 
   double operator()(std::uint64_t t) const noexcept {
+    if (values.empty()) return 1.0;  // refused by validate(); never read out of bounds
     const auto i = std::lower_bound(boundaries.begin(), boundaries.end(), t) - boundaries.begin();
-    return values[static_cast<std::size_t>(i)];
+    return values[std::min(static_cast<std::size_t>(i), values.size() - 1)];
   }
   void validate() const {
     if (values.size() != boundaries.size() + 1)
@@ -118,6 +127,10 @@ struct Cosine {
     const double c = 0.5 * (1.0 + std::cos(std::numbers::pi * s));
     return (1.0 - alpha) * c + alpha;
   }
+  void validate() const {
+    if (decay_steps == 0 || !(alpha >= 0.0))
+      throw config_error("psx: schedule::Cosine needs decay_steps >= 1 and alpha >= 0");
+  }
   friend bool operator==(const Cosine&, const Cosine&) = default;
   friend std::ostream& operator<<(std::ostream& os, const Cosine& s) {
     return os << "Cosine{decay_steps=" << s.decay_steps << ", alpha=" << s.alpha << '}';
@@ -135,6 +148,9 @@ struct Warmup {
   double operator()(std::uint64_t t) const noexcept(noexcept(after(t))) {
     if (t < steps) return static_cast<double>(t) / static_cast<double>(steps);
     return after(t - steps);
+  }
+  void validate() const {
+    if constexpr (requires { after.validate(); }) after.validate();
   }
   friend bool operator==(const Warmup&, const Warmup&) = default;
   friend std::ostream& operator<<(std::ostream& os, const Warmup& s) {

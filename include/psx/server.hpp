@@ -374,6 +374,9 @@ class Server final : public RequestHandler {
       ShardState& s = checked(r, item, rows, true);
       if (!s.var->trainable)
         throw frozen_variable("psx: " + where(r) + ": variable '" + s.var->meta.name + "' is not trainable");
+      if (rows && !accepts_rows<O>())
+        throw config_error("psx: " + where(r) + ": push_rows to '" + s.var->meta.name +
+                           "': the optimizer does not apply row pushes; push the whole variable");
       const WorkerView& wv = s.workers[r.worker];
       const PushAction a = sync_.on_push(PushInfo{r.worker, r.clock, wv.pulled_version, wv.pulled_step, &s.var->meta},
                                          s.progress(), server_clock());

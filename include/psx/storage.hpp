@@ -97,6 +97,9 @@ struct Host {
         detail::to_low(dtype_, params_.data(), low_.data(), n);
       }
     }
+    // bases_ points into slots_: a copy would point into the original.
+    shard(const shard&) = delete;
+    shard& operator=(const shard&) = delete;
 
     //! Floats in the shard.
     std::size_t size() const noexcept { return params_.size(); }

@@ -12,6 +12,7 @@
 
 #include <psx/cuda/storage.cuh>
 #include <psx/psx.hpp>
+#include "../splitmix.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -24,16 +25,7 @@ namespace {
 
 constexpr std::size_t kRows = 300, kWidth = 20, kDense = 1000, kSteps = 12;
 
-struct Splitmix64 {
-  std::uint64_t state;
-  std::uint64_t next() {
-    std::uint64_t z = (state += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-  }
-  float uniform() { return static_cast<float>(static_cast<double>(next() >> 40) * 0x1p-24 * 2.0 - 1.0); }
-};
+using psx_test::Splitmix64;
 
 double scaled_error(const std::vector<float>& got, const std::vector<float>& want) {
   double scale = 0.0, worst = 0.0;

@@ -11,6 +11,7 @@
 #include <Eigen/Core>
 
 #include "../support.hpp"
+#include "../splitmix.hpp"
 
 #include <doctest/doctest.h>
 
@@ -37,16 +38,7 @@ using psx_test::message_of;
 
 // -- the reference file --------------------------------------------------------
 
-struct Splitmix64 {
-  std::uint64_t state;
-  std::uint64_t next() {
-    std::uint64_t z = (state += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-  }
-  float uniform() { return static_cast<float>(static_cast<double>(next() >> 40) * 0x1p-24 * 2.0 - 1.0); }
-};
+using psx_test::Splitmix64;
 
 struct Case {
   std::string kind;  // "case" or "schedule"
@@ -424,7 +416,84 @@ TEST_CASE("optim: optimizers refuse what they cannot do, at declare") {
           psx::ParameterServer<psx::partition::HashByName, psx::sync::Synchronous, psx::optim::Ftrl> ps(
               {1, 1}, {}, {}, psx::optim::Ftrl{.lr = 0.1, .lr_power = 0.5});
           ps.declare(psx::dense("w", {4}));
-        }) == "psx: optim::Ftrl for 'w': needs lr_power <= 0, initial_accumulator_value >= 0, l1 >= 0 and l2 >= 0");
+        }) == "psx: optim::Ftrl for 'w': needs lr > 0, lr_power <= 0, initial_accumulator_value >= 0, l1 >= 0 and "
+              "l2 >= 0");
+}
+
+TEST_CASE("optim: hyper-parameters are checked at declare, as PyTorch's constructors check them") {
+  auto refused = [](const auto& opt) {
+    using O = std::decay_t<decltype(opt)>;
+    return message_of<psx::config_error>([&] {
+      psx::ParameterServer<psx::partition::HashByName, psx::sync::Synchronous, O> ps({1, 1}, {}, {}, opt);
+      ps.declare(psx::dense("w", {4}));
+    });
+  };
+  CHECK(refused(psx::optim::Adam{.beta1 = 1.0}) == "psx: optim::Adam for 'w': needs beta1 and beta2 in [0, 1)");
+  CHECK(refused(psx::optim::AdamW{.beta2 = -0.1}) == "psx: optim::AdamW for 'w': needs beta1 and beta2 in [0, 1)");
+  CHECK(refused(psx::optim::Adam{.lr = -1.0}) == "psx: optim::Adam for 'w': needs lr, eps and weight_decay >= 0");
+  CHECK(refused(psx::optim::Adagrad{.initial_accumulator_value = -1.0}) ==
+        "psx: optim::Adagrad for 'w': needs lr, lr_decay, weight_decay, initial_accumulator_value and eps >= 0");
+  CHECK(refused(psx::optim::RMSProp{.eps = -1e-8}) ==
+        "psx: optim::RMSProp for 'w': needs lr, alpha, eps, weight_decay and momentum >= 0");
+  CHECK(refused(psx::optim::SGD{.lr = 0.1, .momentum = -0.9}) ==
+        "psx: optim::SGD for 'w': needs lr, momentum and weight_decay >= 0");
+  CHECK(refused(psx::optim::Ftrl{.lr = 0.0}) == "psx: optim::Ftrl for 'w': needs lr > 0, lr_power <= 0, "
+                                                "initial_accumulator_value >= 0, l1 >= 0 and l2 >= 0");
+  CHECK(refused(psx::optim::Lamb{.beta1 = 1.5}) == "psx: optim::Lamb for 'w': needs beta1 and beta2 in [0, 1)");
+  // Schedules, also inside a Warmup.
+  CHECK(refused(psx::optim::scheduled(psx::optim::SGD{0.1}, psx::schedule::Polynomial{.decay_steps = 0})) ==
+        "psx: schedule::Polynomial needs decay_steps >= 1, power > 0 and end >= 0");
+  CHECK(refused(psx::optim::scheduled(psx::optim::SGD{0.1}, psx::schedule::Exponential{.decay_steps = 0})) ==
+        "psx: schedule::Exponential needs decay_steps >= 1 and decay_rate > 0");
+  CHECK(refused(psx::optim::scheduled(psx::optim::SGD{0.1}, psx::schedule::Cosine{.decay_steps = 0})) ==
+        "psx: schedule::Cosine needs decay_steps >= 1 and alpha >= 0");
+  CHECK(refused(psx::optim::scheduled(psx::optim::SGD{0.1},
+                                      psx::schedule::Warmup<psx::schedule::Piecewise>{10, {{5}, {}}})) ==
+        "psx: schedule::Piecewise needs one value more than boundaries (got 1 boundaries, 0 values)");
+  CHECK(psx::schedule::Piecewise{{5}, {}}(3) == 1.0);  // never reads out of bounds
+}
+
+TEST_CASE("optim: FTRL at learning rate 0 (warm-up's first step) leaves parameters and state as they are") {
+  const auto opt = psx::optim::scheduled(psx::optim::Ftrl{0.1, -0.5, 0.01, 0.01},
+                                         psx::schedule::Warmup<psx::schedule::Constant>{.steps = 2});
+  std::vector<float> w{0.5f, -0.25f}, slots(4);
+  std::vector<float*> bases{slots.data(), slots.data() + 2};
+  for (std::size_t k = 0; k < 2; ++k) std::fill_n(bases[k], 2, psx::initial_slot(opt, k));
+  const std::vector<float> g{1.0f, -2.0f};
+  opt.update(w, g, psx::SlotView(bases.data(), 2, 0, 2), psx::UpdateContext{1, 1.0, nullptr, 1, false});
+  CHECK(w == std::vector<float>{0.5f, -0.25f});
+  CHECK(slots == std::vector<float>{0.1f, 0.1f, 0.0f, 0.0f});
+  for (std::uint64_t t = 2; t <= 20; ++t)
+    opt.update(w, g, psx::SlotView(bases.data(), 2, 0, 2), psx::UpdateContext{t, 1.0, nullptr, t, false});
+  for (float x : slots) CHECK(std::isfinite(x));
+  for (float x : w) CHECK(std::isfinite(x));
+}
+
+TEST_CASE("optim: SGD momentum on rows accumulates across pushes of the same step") {
+  // Two pushes of g = 1 stamped with the same global step: b = 1, then 1.9.
+  const psx::optim::SGD opt{1.0, 0.9};
+  std::vector<float> w{0.0f}, b{0.0f};
+  float* bases[] = {b.data()};
+  const std::vector<float> g{1.0f};
+  for (int push = 0; push < 2; ++push)
+    opt.update(w, g, psx::SlotView(bases, 1, 0, 1), psx::UpdateContext{1, 1.0, nullptr, 1, true});
+  CHECK(b[0] == doctest::Approx(1.9f));
+  CHECK(w[0] == doctest::Approx(-2.9f));
+}
+
+TEST_CASE("optim: the server refuses row pushes for LAMB, whose trust ratio needs a layer") {
+  psx::ParameterServer<psx::partition::HashByName, psx::sync::Asynchronous, psx::optim::Lamb> ps({1, 1}, {}, {},
+                                                                                                 {0.01});
+  ps.declare(psx::dense("w", {4, 2}));
+  ps.start();
+  psx::Worker w = ps.worker(0);
+  const std::vector<float> before = ps.read("w");
+  const std::vector<std::uint64_t> ids{1};
+  const std::vector<float> g{1.0f, 1.0f};
+  CHECK(message_of<psx::config_error>([&] { w.push_rows("w", ids, g); }) ==
+        "psx: server 0, request from worker 0: push_rows to 'w': the optimizer does not apply row pushes; push "
+        "the whole variable");
+  CHECK(ps.read("w") == before);
 }
 
 TEST_CASE("optim: slots are sharded with the parameters; bytes per parameter") {

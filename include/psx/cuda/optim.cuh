@@ -274,7 +274,7 @@ void with_op(const optim::SGD& o, const UpdateContext& ctx, F&& f) {
   const float wd = static_cast<float>(o.weight_decay);
   if (o.momentum == 0.0) return f(SgdPlainOp{neg_lr, wd});
   f(SgdMomentumOp{neg_lr, wd, static_cast<float>(o.momentum), static_cast<float>(1.0 - o.dampening),
-                  optim::detail::t_of(ctx) == 1, o.nesterov});
+                  !ctx.rows && ctx.step == 1, o.nesterov});
 }
 
 template <class F>
