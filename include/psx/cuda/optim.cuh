@@ -484,6 +484,7 @@ inline void update(const optim::AdamW& o, float* w, const float* g, DeviceSlots 
 //! Dense FTRL-Proximal, as `optim::Ftrl::update`.
 inline void update(const optim::Ftrl& o, float* w, const float* g, DeviceSlots slots, std::size_t n,
                    const UpdateContext& ctx, cudaStream_t stream = 0) {
+  if (!(static_cast<float>(optim::detail::effective_lr(o.lr, ctx)) > 0.0f)) return;  // as the CPU: lr 0 changes nothing
   detail::dense("Ftrl", o, w, g, slots, n, ctx, stream);
 }
 
@@ -578,6 +579,7 @@ inline void update_rows(const optim::AdamW& o, float* table, DeviceSlots slots, 
 inline void update_rows(const optim::Ftrl& o, float* table, DeviceSlots slots, std::size_t width,
                         const std::uint64_t* rows, const float* grads, std::size_t num_rows, const UpdateContext& ctx,
                         cudaStream_t stream = 0) {
+  if (!(static_cast<float>(optim::detail::effective_lr(o.lr, ctx)) > 0.0f)) return;
   detail::rows("Ftrl", o, table, slots, width, rows, grads, num_rows, ctx, stream);
 }
 
