@@ -374,6 +374,8 @@ class Server final : public RequestHandler {
       ShardState& s = checked(r, item, rows, true);
       if (!s.var->trainable)
         throw frozen_variable("psx: " + where(r) + ": variable '" + s.var->meta.name + "' is not trainable");
+      if constexpr (requires { Storage::check_gradient(item.in, std::string()); })
+        Storage::check_gradient(item.in, "psx: " + where(r) + ": push to '" + s.var->meta.name + "'");
       if (rows && !accepts_rows<O>())
         throw config_error("psx: " + where(r) + ": push_rows to '" + s.var->meta.name +
                            "': the optimizer does not apply row pushes; push the whole variable");

@@ -149,6 +149,18 @@ TEST_CASE("cuda::Device serves pulls into device buffers, 16-bit copies, and rep
   w.pull("e", std::span(all));
   for (std::size_t i = 0; i < all.size(); ++i) CHECK(all[i] == psx::bfloat16::from_float(master[i]));
 
+  // A gradient in device memory is refused before anything changes.
+  const std::vector<float> before = ps.read("e");
+  psx::cuda::buffer<float> device_grad(8);
+  const std::vector<std::uint64_t> one{7};
+  try {
+    w.push_rows("e", one, std::span<const float>(device_grad.data(), 8));
+    FAIL("a device-memory gradient was accepted");
+  } catch (const psx::config_error& err) {
+    CHECK(std::string(err.what()).find("the gradient is in device memory") != std::string::npos);
+  }
+  CHECK(ps.read("e") == before);
+
   const psx::ServerStats st = ps.stats();
   CHECK(st.slot_bytes == 50 * 8 * 2 * sizeof(float));
   CHECK(st.parameter_bytes == 50 * 8 * (sizeof(float) + 2));

@@ -7,8 +7,9 @@
 //! applies Adam through its CUDA specialization (`psx/cuda/optim.cuh`) on the
 //! device, gathers pulled rows on the device and deduplicates pushed rows with
 //! CUB (`psx::cuda::RowDedup`). The server logic (sync policies, clocks,
-//! errors) is the host code of every other storage; workers' buffers may be
-//! host or device memory (copies use cudaMemcpyDefault). Compile with nvcc.
+//! errors) is the host code of every other storage. Pulls may fill host or
+//! device buffers; gradients are read from host memory (a device pointer is
+//! refused with psx::config_error). Compile with nvcc.
 //!
 //! Each shard owns a CUDA stream on the device current when the server was
 //! built; every operation is complete when its call returns. Delay
@@ -21,6 +22,7 @@
 
 #include <cstdint>
 #include <span>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -81,6 +83,15 @@ inline bool on_device(const void* p) {
 //! specializations (`psx::cuda::update`, `update_rows`).
 struct Device {
   static constexpr bool host_visible = false;
+
+  //! The server reads gradients on the host (it sums aggregated steps there):
+  //! a gradient in device memory is refused with a clear error, before
+  //! anything changes. Pulls may fill device buffers.
+  static void check_gradient(std::span<const float> g, const std::string& where) {
+    if (!g.empty() && detail::on_device(g.data()))
+      throw config_error(where + ": the gradient is in device memory; psx::cuda::Device reads gradients from "
+                                 "host memory (pulls may fill device buffers)");
+  }
 
   template <Optimizer O>
   class shard {
