@@ -11,6 +11,8 @@
 #define DOCTEST_CONFIG_IMPLEMENT
 #include <doctest/doctest.h>
 
+#include "device_main.hpp"
+
 #include <psx/cuda/kernels.cuh>
 #include <psx/half.hpp>
 #include <psx/optim.hpp>
@@ -670,17 +672,5 @@ TEST_CASE("cuda: int8 quantization equals psx::quantize_int8") {
 }
 
 int main(int argc, char** argv) {
-  int devices = 0;
-  const cudaError_t status = cudaGetDeviceCount(&devices);
-  if (status != cudaSuccess || devices == 0) {
-    std::printf("psx cuda tests: skipped: no CUDA device (%s)\n",
-                status != cudaSuccess ? cudaGetErrorString(status) : "cudaGetDeviceCount found none");
-    return 77;
-  }
-  cudaDeviceProp prop{};
-  pc::check(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
-  std::printf("psx cuda tests on %s (sm_%d%d, %d multiprocessors)%s\n", prop.name, prop.major, prop.minor,
-              prop.multiProcessorCount, quick() ? ", quick sizes" : "");
-  doctest::Context context(argc, argv);
-  return context.run();
+  return psx_test::cuda_test_main(argc, argv, "psx cuda tests", quick() ? ", quick sizes" : "");
 }

@@ -13,6 +13,7 @@
 #include <psx/cuda/storage.cuh>
 #include <psx/psx.hpp>
 #include "../splitmix.hpp"
+#include "device_main.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -182,14 +183,4 @@ TEST_CASE("cuda::Device refuses delay compensation, which reads parameters on th
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  int devices = 0;
-  const cudaError_t status = cudaGetDeviceCount(&devices);
-  if (status != cudaSuccess || devices == 0) {
-    std::printf("psx cuda storage tests: skipped: no CUDA device (%s)\n",
-                status != cudaSuccess ? cudaGetErrorString(status) : "no device");
-    return 77;
-  }
-  doctest::Context context(argc, argv);
-  return context.run();
-}
+int main(int argc, char** argv) { return psx_test::cuda_test_main(argc, argv, "psx cuda storage tests"); }
