@@ -101,7 +101,6 @@ struct Device {
       if (optimizer.slots() > 4)
         throw config_error("psx::cuda::Device: variable '" + v.meta.name + "': the optimizer keeps " +
                            std::to_string(optimizer.slots()) + " slots per parameter, at most 4 on the device");
-      check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "psx::cuda::Device: cudaStreamCreate");
       std::vector<float> host(n_);
       v.init.fill(v.meta.name, sh.row_begin * width_, host);
       params_ = buffer<float>(n_);
@@ -118,9 +117,6 @@ struct Device {
         refresh_low();
       }
       finish("initialize");
-    }
-    ~shard() {
-      if (stream_) cudaStreamDestroy(stream_);
     }
     shard(const shard&) = delete;
     shard& operator=(const shard&) = delete;
@@ -229,6 +225,18 @@ struct Device {
     }
 
    private:
+    // The shard's stream, destroyed with the shard (also when its
+    // constructor throws after creating it).
+    struct owned_stream {
+      cudaStream_t s = nullptr;
+      owned_stream() { check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "psx::cuda::Device: cudaStreamCreate"); }
+      ~owned_stream() {
+        if (s) cudaStreamDestroy(s);
+      }
+      owned_stream(const owned_stream&) = delete;
+      owned_stream& operator=(const owned_stream&) = delete;
+    };
+
     // A device buffer that only grows.
     template <class T>
     struct scratch {
@@ -280,7 +288,8 @@ struct Device {
     DType dtype_;
     std::size_t width_;
     std::size_t n_;
-    cudaStream_t stream_ = nullptr;
+    owned_stream owned_stream_;
+    cudaStream_t stream_ = owned_stream_.s;
     buffer<float> params_;
     buffer<float> slots_;
     buffer<std::uint16_t> low_;
