@@ -484,12 +484,17 @@ struct Ftrl {
                          "': needs lr > 0, lr_power <= 0, initial_accumulator_value >= 0, l1 >= 0 and l2 >= 0");
   }
 
+  //! False when the effective learning rate is 0 (or less): a schedule's
+  //! factor 0 (e.g. Warmup's first step) would divide by 0 and corrupt z for
+  //! good, so FTRL then leaves everything as it is (the CUDA kernels too).
+  bool applies(const UpdateContext& ctx) const noexcept {
+    return static_cast<float>(detail::effective_lr(lr, ctx)) > 0.0f;
+  }
+
   void update(std::span<float> w, std::span<const float> g, const SlotView& s,
               const UpdateContext& ctx) const noexcept {
+    if (!applies(ctx)) return;
     const float lr_t = static_cast<float>(detail::effective_lr(lr, ctx));
-    // A schedule's factor 0 (e.g. Warmup's first step) would divide by 0 and
-    // corrupt z for good: at learning rate 0 FTRL leaves everything as it is.
-    if (!(lr_t > 0.0f)) return;
     const float l1f = static_cast<float>(l1), two_l2 = static_cast<float>(2.0 * l2);
     const float power = static_cast<float>(-lr_power);
     detail::with_flags([&](auto... flags) {
@@ -595,6 +600,12 @@ struct Lamb {
   struct Scalars {
     float inv_bc1, inv_bc2, b1, b2, one_minus_b1, one_minus_b2, e, wd;
     float r(float m, float v, float w) const noexcept { return (m * inv_bc1) / (std::sqrt(v * inv_bc2) + e) + wd * w; }
+    // Moves the moments by gradient g; returns r at the new moments.
+    float step(float& m, float& v, float g, float w) const noexcept {
+      m = m * b1 + one_minus_b1 * g;
+      v = v * b2 + one_minus_b2 * g * g;
+      return r(m, v, w);
+    }
   };
 
   // Pass 1: the moments, and the squared norms of w and r: 8 float lanes
@@ -611,18 +622,14 @@ struct Lamb {
       for (std::size_t i = b; i < end; i += lanes)
         for (std::size_t l = 0; l < lanes; ++l) {
           const std::size_t j = i + l;
-          m[j] = m[j] * k.b1 + k.one_minus_b1 * g[j];
-          v[j] = v[j] * k.b2 + k.one_minus_b2 * g[j] * g[j];
-          const float r = k.r(m[j], v[j], w[j]);
+          const float r = k.step(m[j], v[j], g[j], w[j]);
           wl[l] += w[j] * w[j];
           rl[l] += r * r;
         }
       for (std::size_t l = 0; l < lanes; ++l) w2 += wl[l], r2 += rl[l];
     }
     for (std::size_t j = whole; j < n; ++j) {
-      m[j] = m[j] * k.b1 + k.one_minus_b1 * g[j];
-      v[j] = v[j] * k.b2 + k.one_minus_b2 * g[j] * g[j];
-      const float r = k.r(m[j], v[j], w[j]);
+      const float r = k.step(m[j], v[j], g[j], w[j]);
       w2 += static_cast<double>(w[j]) * w[j];
       r2 += static_cast<double>(r) * r;
     }

@@ -177,10 +177,16 @@ struct Scheduled {
     validate_optimizer(optimizer, v, shards);
   }
 
+  //! `ctx` with the learning-rate factor scaled by the schedule at the
+  //! update's global step (also what the CUDA specializations apply).
+  UpdateContext scaled(const UpdateContext& ctx) const {
+    UpdateContext out = ctx;
+    out.lr_scale *= schedule(ctx.global_step == 0 ? 0 : ctx.global_step - 1);
+    return out;
+  }
+
   void update(std::span<float> w, std::span<const float> g, const SlotView& s, const UpdateContext& ctx) const {
-    UpdateContext scaled = ctx;
-    scaled.lr_scale *= schedule(ctx.global_step == 0 ? 0 : ctx.global_step - 1);
-    optimizer.update(w, g, s, scaled);
+    optimizer.update(w, g, s, scaled(ctx));
   }
 
   friend bool operator==(const Scheduled&, const Scheduled&) = default;

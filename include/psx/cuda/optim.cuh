@@ -484,7 +484,7 @@ inline void update(const optim::AdamW& o, float* w, const float* g, DeviceSlots 
 //! Dense FTRL-Proximal, as `optim::Ftrl::update`.
 inline void update(const optim::Ftrl& o, float* w, const float* g, DeviceSlots slots, std::size_t n,
                    const UpdateContext& ctx, cudaStream_t stream = 0) {
-  if (!(static_cast<float>(optim::detail::effective_lr(o.lr, ctx)) > 0.0f)) return;  // as the CPU: lr 0 changes nothing
+  if (!o.applies(ctx)) return;  // as the CPU: learning rate 0 changes nothing
   detail::dense("Ftrl", o, w, g, slots, n, ctx, stream);
 }
 
@@ -524,9 +524,7 @@ inline void update(const optim::Lamb& o, float* w, const float* g, DeviceSlots s
 template <class O, class S>
 void update(const optim::Scheduled<O, S>& o, float* w, const float* g, DeviceSlots slots, std::size_t n,
             const UpdateContext& ctx, cudaStream_t stream = 0) {
-  UpdateContext scaled = ctx;
-  scaled.lr_scale *= o.schedule(ctx.global_step == 0 ? 0 : ctx.global_step - 1);
-  update(o.optimizer, w, g, slots, n, scaled, stream);
+  update(o.optimizer, w, g, slots, n, o.scaled(ctx), stream);
 }
 
 //! Any other optimizer: a compile-time error naming it.
@@ -579,7 +577,7 @@ inline void update_rows(const optim::AdamW& o, float* table, DeviceSlots slots, 
 inline void update_rows(const optim::Ftrl& o, float* table, DeviceSlots slots, std::size_t width,
                         const std::uint64_t* rows, const float* grads, std::size_t num_rows, const UpdateContext& ctx,
                         cudaStream_t stream = 0) {
-  if (!(static_cast<float>(optim::detail::effective_lr(o.lr, ctx)) > 0.0f)) return;
+  if (!o.applies(ctx)) return;
   detail::rows("Ftrl", o, table, slots, width, rows, grads, num_rows, ctx, stream);
 }
 
@@ -588,9 +586,7 @@ template <class O, class S>
 void update_rows(const optim::Scheduled<O, S>& o, float* table, DeviceSlots slots, std::size_t width,
                  const std::uint64_t* rows, const float* grads, std::size_t num_rows, const UpdateContext& ctx,
                  cudaStream_t stream = 0) {
-  UpdateContext scaled = ctx;
-  scaled.lr_scale *= o.schedule(ctx.global_step == 0 ? 0 : ctx.global_step - 1);
-  update_rows(o.optimizer, table, slots, width, rows, grads, num_rows, scaled, stream);
+  update_rows(o.optimizer, table, slots, width, rows, grads, num_rows, o.scaled(ctx), stream);
 }
 
 //! Any other optimizer (LAMB included: a row is not a layer): a compile-time error naming it.
