@@ -96,6 +96,28 @@ class Dev {
   std::size_t n_, offset_;
 };
 
+// Device copies of an optimizer's slots (each offset like the parameters),
+// and the DeviceSlots view of them.
+class DevSlots {
+ public:
+  DevSlots(const std::vector<std::vector<float>>& host, std::size_t offset) {
+    slots_.reserve(host.size());
+    for (const auto& s : host) slots_.emplace_back(s, offset);
+  }
+  pc::DeviceSlots view() {
+    pc::DeviceSlots v{};
+    v.count = slots_.size();
+    for (std::size_t k = 0; k < slots_.size(); ++k) v.slot[k] = slots_[k].ptr();
+    return v;
+  }
+  Dev<float>& operator[](std::size_t k) { return slots_[k]; }
+  auto begin() { return slots_.begin(); }
+  auto end() { return slots_.end(); }
+
+ private:
+  std::vector<Dev<float>> slots_;
+};
+
 // Compares a device result with the CPU's: NaN where the CPU has NaN, else
 // within 1e-6 of the CPU tensor's largest magnitude. Counts the elements
 // that are not bit-identical too.
@@ -189,14 +211,8 @@ void check_dense(const O& o) {
       std::vector<std::vector<float>> s(ns);
       for (std::size_t k = 0; k < ns; ++k) s[k].assign(n, psx::initial_slot(o, k));
       Dev<float> dw(w, off.params), dg(n, off.grads);
-      std::vector<Dev<float>> ds;
-      ds.reserve(ns);
-      pc::DeviceSlots slots{};
-      slots.count = ns;
-      for (std::size_t k = 0; k < ns; ++k) {
-        ds.emplace_back(s[k], off.params);
-        slots.slot[k] = ds[k].ptr();
-      }
+      DevSlots ds(s, off.params);
+      const pc::DeviceSlots slots = ds.view();
       for (std::uint64_t step = 1; step <= 5; ++step) {
         const std::vector<float> g = random_floats(n, rng);
         dg.upload(g);
@@ -245,14 +261,8 @@ void check_rows(const O& o) {
       }
       Dev<float> dt(table, off.params), dg(num_rows * width, off.grads);
       Dev<std::uint64_t> dr(num_rows, 0);
-      std::vector<Dev<float>> ds;
-      ds.reserve(ns);
-      pc::DeviceSlots slots{};
-      slots.count = ns;
-      for (std::size_t k = 0; k < ns; ++k) {
-        ds.emplace_back(s[k], off.params);
-        slots.slot[k] = ds[k].ptr();
-      }
+      DevSlots ds(s, off.params);
+      const pc::DeviceSlots slots = ds.view();
       std::vector<std::uint64_t> all(table_rows);
       std::iota(all.begin(), all.end(), 0);
       for (std::size_t step = 1; step <= 5; ++step) {
