@@ -9,6 +9,7 @@ packages=(
   libzmq3-dev cppzmq-dev                     # ZeroMQ transport
   libcereal-dev                              # checkpoints and exports
   doctest-dev libbenchmark-dev               # tests and microbenchmarks
+  util-linux                                 # taskset: the one-core test run
 )
 sudo=""
 if [ "$(id -u)" -ne 0 ]; then sudo="sudo"; fi

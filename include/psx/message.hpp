@@ -18,10 +18,12 @@
 #include <cstddef>
 #include <cstdint>
 #include <exception>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace psx {
@@ -77,11 +79,16 @@ class Completion {
     if (pending_ > 0 && --pending_ == 0) cv_.notify_all();
   }
 
-  //! Blocks until every part finished; rethrows the first error.
+  //! Blocks until every part finished; rethrows the first error, once: the
+  //! error moves to the waiting thread, so the exception object is never
+  //! shared by two threads (a server that drops this completion later
+  //! destroys nothing the waiter still reads).
   void wait() {
     std::unique_lock lock(mu_);
     cv_.wait(lock, [&] { return pending_ == 0; });
-    if (error_) std::rethrow_exception(error_);
+    std::exception_ptr error = std::exchange(error_, nullptr);
+    lock.unlock();
+    if (error) std::rethrow_exception(std::move(error));
   }
 
   //! Waits until every part finished or `timeout` passed; true when finished
@@ -131,8 +138,13 @@ class RequestHandler {
   //! Answers `r` now or keeps it until the sync policy lets it through.
   //! Errors finish the request; nothing escapes.
   virtual void handle(Request&& r) noexcept = 0;
-  //! The link is closing: finish every request still kept with `error`.
-  virtual void drain(std::exception_ptr error) noexcept = 0;
+  //! Makes the error of one request; called once per request so that no two
+  //! requests (and so no two threads) share an exception object.
+  using ErrorFactory = std::function<std::exception_ptr()>;
+
+  //! The link is closing: finish every request still kept with an error
+  //! from `make_error`.
+  virtual void drain(const ErrorFactory& make_error) noexcept = 0;
   //! When the loop must call `tick` next even if no request comes
   //! (`time_point::max()`: never).
   virtual clock_type::time_point next_tick() const noexcept = 0;

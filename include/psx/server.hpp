@@ -103,16 +103,22 @@ class Server final : public RequestHandler {
 
   void handle(Request&& r) noexcept override {
     count(requests_);
+    std::exception_ptr error;
     try {
       dispatch(std::move(r));
     } catch (...) {
+      error = std::current_exception();
+    }
+    // Finished after the handler ended, so that `error` is the only reference
+    // left here and the worker becomes the exception's sole owner.
+    if (error) {
       count(errors_);
-      r.finish(std::current_exception());
+      r.finish(std::move(error));
     }
   }
 
-  void drain(std::exception_ptr error) noexcept override {
-    fail_waiting(error);
+  void drain(const ErrorFactory& make_error) noexcept override {
+    fail_waiting(make_error);
   }
 
   time_point next_tick() const noexcept override {
@@ -122,7 +128,7 @@ class Server final : public RequestHandler {
 
   void tick(time_point now) noexcept override {
     last_tick_ = now;
-    if (peer_timeout_.count() <= 0 || failure_ || (parked_.empty() && barrier_.empty())) return;
+    if (peer_timeout_.count() <= 0 || failed() || (parked_.empty() && barrier_.empty())) return;
     // Someone waits on progress: a live worker with nothing waiting here that
     // has been silent for longer than the timeout is lost.
     std::vector<bool> waiting(clocks_.size(), false);
@@ -255,7 +261,7 @@ class Server final : public RequestHandler {
     if (r.op != Op::read && r.worker >= clocks_.size())
       throw wire_error("psx: server " + std::to_string(index_) + ": request from worker " +
                        std::to_string(r.worker) + " of " + std::to_string(clocks_.size()));
-    if (failure_ && r.op != Op::read) std::rethrow_exception(failure_);
+    if (failed() && r.op != Op::read) throw peer_lost(failure_);
     if (r.op != Op::read && r.op != Op::join && gone_[r.worker] == Gone::lost)
       throw peer_lost("psx: server " + std::to_string(index_) + ": worker " + std::to_string(r.worker) +
                       " was declared lost earlier (" + lost_reason_[r.worker] + ") and is no longer served");
@@ -612,19 +618,21 @@ class Server final : public RequestHandler {
     lost_reason_[w] = reason;
     recount();
     if (outcome == OnWorkerLost::fail) {
-      failure_ = std::make_exception_ptr(peer_lost("psx: server " + std::to_string(index_) + ": worker " +
-                                                   std::to_string(w) + " was lost (" + reason +
-                                                   "); the sync policy does not continue without it"));
-      fail_waiting(failure_);
+      failure_ = "psx: server " + std::to_string(index_) + ": worker " + std::to_string(w) + " was lost (" + reason +
+                 "); the sync policy does not continue without it";
+      fail_waiting([&] { return std::make_exception_ptr(peer_lost(failure_)); });
       return;
     }
     release_barrier();
     advance();
   }
 
-  void fail_waiting(const std::exception_ptr& error) noexcept {
-    for (Request& r : parked_) r.finish(error);
-    for (Request& r : barrier_) r.finish(error);
+  bool failed() const noexcept { return !failure_.empty(); }
+
+  // One exception object per request: see Completion::wait.
+  void fail_waiting(const ErrorFactory& make_error) noexcept {
+    for (Request& r : parked_) r.finish(make_error());
+    for (Request& r : barrier_) r.finish(make_error());
     parked_.clear();
     barrier_.clear();
   }
@@ -689,7 +697,8 @@ class Server final : public RequestHandler {
   std::uint64_t min_clock_ = 0;
   std::uint64_t max_clock_ = 0;
   std::size_t live_ = 0;
-  std::exception_ptr failure_;
+  // Why the policy stopped serving (a peer_lost message); empty while serving.
+  std::string failure_;
   std::deque<Request> parked_;
   std::vector<Request> barrier_;
   detail::RowAccumulator scratch_;

@@ -46,10 +46,10 @@ struct InProcess {
         const auto now = RequestHandler::clock_type::now();
         if (now >= handler.next_tick()) handler.tick(now);
       }
-      auto error = std::make_exception_ptr(
-          shutdown_error("psx: server " + std::to_string(server) + " shut down before answering"));
-      for (Request& left : inbox.take_all()) left.finish(error);
-      handler.drain(error);
+      const std::string why = "psx: server " + std::to_string(server) + " shut down before answering";
+      const RequestHandler::ErrorFactory make_error = [&] { return std::make_exception_ptr(shutdown_error(why)); };
+      for (Request& left : inbox.take_all()) left.finish(make_error());
+      handler.drain(make_error);
     }
 
     void close() noexcept {
