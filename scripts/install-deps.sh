@@ -6,10 +6,11 @@ export DEBIAN_FRONTEND=noninteractive
 packages=(
   cmake ninja-build g++ ccache git           # toolchain
   libeigen3-dev libxtensor-dev               # tensor adapters (psx/eigen.hpp, psx/xtensor.hpp)
-  libzmq3-dev cppzmq-dev                     # ZeroMQ transport
+  libzmq3-dev cppzmq-dev rapidjson-dev       # ZeroMQ transport, TF_CONFIG parsing
   libcereal-dev                              # checkpoints and exports
   doctest-dev libbenchmark-dev               # tests and microbenchmarks
-  util-linux                                 # taskset: the one-core test run
+  util-linux procps iproute2 python3         # test tools: taskset, ps/pgrep, ip/ss (two-host
+                                             # test), python3 (psx-launch --spec)
 )
 sudo=""
 if [ "$(id -u)" -ne 0 ]; then sudo="sudo"; fi

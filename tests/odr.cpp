@@ -4,6 +4,9 @@
 #include <psx/eigen.hpp>
 #include <psx/psx.hpp>
 #include <psx/xtensor.hpp>
+#if __has_include(<zmq.hpp>)
+#include <psx/transport/zmq.hpp>
+#endif
 
 namespace psx_test {
 int odr_anchor() { return PSX_VERSION_MAJOR; }

@@ -23,6 +23,7 @@
 #include <psx/message.hpp>
 #include <psx/variable.hpp>
 
+#include <chrono>
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
@@ -165,6 +166,11 @@ inline std::ostream& operator<<(std::ostream& os, OnWorkerLost o) {
 struct TransportContext {
   std::size_t num_servers = 1;
   std::size_t num_workers = 1;
+  //! The declared variables and their placement (checks sizes of requests
+  //! that arrive from other processes; both ends must agree on them).
+  std::span<const VariableInfo> variables;
+  //! `ClusterConfig::peer_timeout`: how long a silent peer may stay silent.
+  std::chrono::milliseconds peer_timeout{0};
 };
 
 // ---------------------------------------------------------------------------
@@ -457,6 +463,11 @@ concept has_connect = requires(const T& t, const TransportContext& ctx) {
 //!     `close()`; then calls `handler.drain(...)` and returns.
 //!  3. `close() noexcept`: stops every loop; requests not yet handled finish
 //!     with `psx::shutdown_error`. Idempotent.
+//!
+//! Optional, for links between processes: `bool local_server(std::size_t)
+//! const` and `bool local_worker(std::size_t) const` (which servers and
+//! workers this process runs; without them, all) and `std::string
+//! wait_stopped()` (a process without workers serves until it returns).
 template <class L>
 concept Link = detail::has_send<L> && detail::has_serve<L> && detail::has_close<L>;
 

@@ -40,7 +40,7 @@ enum class Op : std::uint8_t {
   leave,      //!< the worker is done: sync waits no longer count it (carries no item)
   fail,       //!< the worker failed (`Request::reason` says how): the sync policy decides
   heartbeat,  //!< the worker is alive, waiting on some server (carries no item)
-  barrier,    //!< wait until every worker has reached the same barrier (server 0 only)
+  barrier,    //!< wait until every worker has reached the same barrier (sent to every server)
   read,       //!< like pull, but never waits for the sync policy (inspection)
 };
 
@@ -67,16 +67,34 @@ struct Item {
 //! servers: it completes when every part has, with the first error kept.
 class Completion {
  public:
+  //! Called once, with the first error (or null), when the last part
+  //! finished; instead of waking waiters.
+  using Callback = std::function<void(std::exception_ptr)>;
+
   explicit Completion(std::size_t parts) : pending_(parts) {}
+  //! A completion that calls `on_done` instead of being waited for (a
+  //! transport's server side answering over the network).
+  Completion(std::size_t parts, Callback on_done) : pending_(parts), on_done_(std::move(on_done)) {}
 
   //! One part finished; `error` is null on success. Each part finishes
   //! exactly once: a second finish would let `wait` return while another
   //! part may still write into the caller's buffers.
   void finish(std::exception_ptr error = nullptr) {
-    std::lock_guard lock(mu_);
-    assert(pending_ > 0 && "psx: a request was finished twice");
-    if (error && !error_) error_ = std::move(error);
-    if (pending_ > 0 && --pending_ == 0) cv_.notify_all();
+    Callback call;
+    std::exception_ptr first;
+    {
+      std::lock_guard lock(mu_);
+      assert(pending_ > 0 && "psx: a request was finished twice");
+      if (error && !error_) error_ = std::move(error);
+      if (pending_ == 0 || --pending_ != 0) return;
+      if (!on_done_) {
+        cv_.notify_all();
+        return;
+      }
+      call = std::move(on_done_);
+      first = std::exchange(error_, nullptr);
+    }
+    call(std::move(first));
   }
 
   //! Blocks until every part finished; rethrows the first error, once: the
@@ -110,6 +128,7 @@ class Completion {
   std::condition_variable cv_;
   std::size_t pending_;
   std::exception_ptr error_;
+  Callback on_done_;
 };
 
 //! One message from a worker to one server.
@@ -150,6 +169,17 @@ class RequestHandler {
   virtual clock_type::time_point next_tick() const noexcept = 0;
   //! Periodic work (timeouts); called by the loop at or after `next_tick()`.
   virtual void tick(clock_type::time_point now) noexcept = 0;
+
+  //! What a transport between processes tells its server about messages
+  //! that never became requests, so that they are counted.
+  enum class LinkEvent : std::uint8_t {
+    rejected,     //!< malformed, of another version or cluster, or unauthenticated
+    undelivered,  //!< an answer whose worker was gone when it was sent
+  };
+  virtual void link_event(LinkEvent e) noexcept = 0;
+  //! False once worker `w` has left or been lost: a server told to stop
+  //! stops when no worker it heard from is active.
+  virtual bool worker_active(std::size_t w) const noexcept = 0;
 
  protected:
   ~RequestHandler() = default;

@@ -122,16 +122,19 @@ class ParameterServer {
     // Build everything first; publish only a cluster whose servers all run,
     // so a failed start (a policy refusing the cluster, no thread to be had)
     // leaves nothing half-started and can be retried or reported again.
-    auto link = transport_.connect(TransportContext{config().num_servers, config().num_workers});
-    std::vector<std::unique_ptr<server_type>> servers;
-    servers.reserve(config().num_servers);
+    auto link = transport_.connect(TransportContext{config().num_servers, config().num_workers, core_->variables,
+                                                    config().peer_timeout});
+    // Between processes each runs its own part of the cluster (the link
+    // says which); in one process, all of it.
+    std::vector<std::unique_ptr<server_type>> servers(config().num_servers);
     for (std::size_t s = 0; s < config().num_servers; ++s)
-      servers.push_back(
-          std::make_unique<server_type>(s, config().num_workers, core_->variables, sync_, optimizer_, config().peer_timeout));
+      if (local_server(*link, s))
+        servers[s] = std::make_unique<server_type>(s, config().num_workers, core_->variables, sync_, optimizer_,
+                                                   config().peer_timeout);
     std::vector<std::thread> threads;
     try {
       for (std::size_t s = 0; s < config().num_servers; ++s)
-        threads.emplace_back([l = link.get(), server = servers[s].get(), s] { l->serve(s, *server); });
+        if (servers[s]) threads.emplace_back([l = link.get(), server = servers[s].get(), s] { l->serve(s, *server); });
     } catch (...) {
       link->close();
       for (auto& t : threads) t.join();
@@ -159,7 +162,23 @@ class ParameterServer {
       throw config_error("psx: worker " + std::to_string(index) + " of a cluster of " +
                          std::to_string(config().num_workers) + " workers");
     start();
+    if (!is_local_worker(index))
+      throw config_error("psx: worker " + std::to_string(index) + " runs in another process");
     return Worker(*core_, index);
+  }
+
+  //! Whether this process runs worker `index` / server `index` (every one
+  //! of them with an in-process transport; with one between processes,
+  //! those of this process's task). Starts the cluster.
+  bool is_local_worker(std::size_t index) {
+    start();
+    std::lock_guard lock(link_mu_);
+    return link_ && local_worker(*link_, index);
+  }
+  bool is_local_server(std::size_t index) {
+    start();
+    std::lock_guard lock(link_mu_);
+    return link_ && local_server(*link_, index);
   }
 
   //! Runs `fn(worker)` for every worker, each on its own thread, and returns
@@ -172,13 +191,28 @@ class ParameterServer {
     requires std::invocable<F&, Worker&>
   void run(F&& fn) {
     start();
+    std::vector<std::size_t> local;
+    for (std::size_t w = 0; w < config().num_workers; ++w)
+      if (is_local_worker(w)) local.push_back(w);
+    if (local.empty()) {
+      // A server process: serve until the cluster is done.
+      std::string why;
+      {
+        std::unique_lock lock(link_mu_);
+        auto* link = link_.get();
+        lock.unlock();
+        if constexpr (requires { link->wait_stopped(); }) why = link->wait_stopped();
+      }
+      if (!why.empty()) throw peer_lost(why);
+      return;
+    }
     {
       // Every worker counts again for the sync policy before any of them
       // starts, at the clock of the furthest one: a second run continues
       // from the last step of the first, whatever each worker did then.
       const std::uint64_t clock = *std::max_element(core_->clocks.begin(), core_->clocks.end());
-      auto joined = std::make_shared<Completion>(config().num_servers * config().num_workers);
-      for (std::size_t w = 0; w < config().num_workers; ++w) {
+      auto joined = std::make_shared<Completion>(config().num_servers * local.size());
+      for (std::size_t w : local) {
         core_->clocks[w] = clock;
         for (std::size_t s = 0; s < config().num_servers; ++s) {
           Request r;
@@ -194,8 +228,8 @@ class ParameterServer {
     std::exception_ptr first;
     std::mutex mu;
     std::vector<std::thread> workers;
-    workers.reserve(config().num_workers);
-    for (std::size_t w = 0; w < config().num_workers; ++w) {
+    workers.reserve(local.size());
+    for (std::size_t w : local) {
       workers.emplace_back([&, w] {
         Worker worker(*core_, w);
         try {
@@ -222,21 +256,29 @@ class ParameterServer {
     if (first) std::rethrow_exception(first);
   }
 
-  //! Counters of server `index` (zeros before `start()`).
+  //! Counters of server `index` (zeros before `start()`); config_error for
+  //! a server of another process.
   ServerStats server_stats(std::size_t index) const {
     if (index >= config().num_servers)
       throw config_error("psx: server " + std::to_string(index) + " of a cluster of " +
                          std::to_string(config().num_servers) + " servers");
     std::lock_guard lock(link_mu_);
-    return index < servers_.size() ? servers_[index]->stats() : ServerStats{};
+    if (index >= servers_.size()) return ServerStats{};
+    if (!servers_[index]) throw config_error("psx: server " + std::to_string(index) + " runs in another process");
+    return servers_[index]->stats();
   }
 
-  //! Every server's counters added up.
+  //! The counters of every server of this process added up.
   ServerStats stats() const {
     ServerStats total;
     total.staleness.assign(staleness_buckets, 0);
-    for (std::size_t s = 0; s < config().num_servers; ++s) {
-      const ServerStats one = server_stats(s);
+    std::vector<ServerStats> each;
+    {
+      std::lock_guard lock(link_mu_);
+      for (const auto& server : servers_)
+        if (server) each.push_back(server->stats());
+    }
+    for (const ServerStats& one : each) {
       total.requests += one.requests;
       total.pulls += one.pulls;
       total.pushes += one.pushes;
@@ -247,6 +289,8 @@ class ParameterServer {
       total.steps += one.steps;
       total.parameter_bytes += one.parameter_bytes;
       total.slot_bytes += one.slot_bytes;
+      total.rejected += one.rejected;
+      total.undelivered += one.undelivered;
       for (std::size_t k = 0; k < one.staleness.size(); ++k) total.staleness[k] += one.staleness[k];
     }
     return total;
@@ -259,7 +303,11 @@ class ParameterServer {
     const VariableInfo& v = variable(name);
     std::vector<float> out(v.meta.size());
     const PullItem item{name, out};
-    Worker(*core_, 0).read_async(std::span<const PullItem>(&item, 1)).wait();
+    std::size_t reader = 0;
+    while (reader < config().num_workers && !is_local_worker(reader)) ++reader;
+    if (reader == config().num_workers)
+      throw config_error("psx: read('" + v.meta.name + "') in a process without workers; read from a worker");
+    Worker(*core_, reader).read_async(std::span<const PullItem>(&item, 1)).wait();
     return out;
   }
 
@@ -277,6 +325,21 @@ class ParameterServer {
   bool running() const noexcept { return started_ && !core_->stopped.load(); }
 
  private:
+  template <class L>
+  static bool local_server(const L& link, std::size_t s) noexcept {
+    if constexpr (requires { { link.local_server(s) } -> std::same_as<bool>; })
+      return link.local_server(s);
+    else
+      return true;
+  }
+  template <class L>
+  static bool local_worker(const L& link, std::size_t w) noexcept {
+    if constexpr (requires { { link.local_worker(w) } -> std::same_as<bool>; })
+      return link.local_worker(w);
+    else
+      return true;
+  }
+
   void shutdown_link() noexcept {
     core_->stopped.store(true, std::memory_order_release);
     std::lock_guard lock(link_mu_);

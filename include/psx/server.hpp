@@ -60,6 +60,11 @@ struct ServerStats {
   std::vector<std::uint64_t> staleness;
   std::uint64_t parameter_bytes = 0;  //!< parameters held: float32 masters plus 16-bit copies
   std::uint64_t slot_bytes = 0;       //!< optimizer state held beside them
+  //! Messages refused before they became requests (malformed, another wire
+  //! version or cluster, not authenticated): transports between processes.
+  std::uint64_t rejected = 0;
+  //! Answers that could not be delivered because their worker was gone.
+  std::uint64_t undelivered = 0;
 };
 
 //! Number of staleness histogram buckets.
@@ -154,8 +159,14 @@ class Server final : public RequestHandler {
     for (const auto& b : staleness_) st.staleness.push_back(get(b));
     st.parameter_bytes = parameter_bytes_;
     st.slot_bytes = slot_bytes_;
+    st.rejected = get(rejected_);
+    st.undelivered = get(undelivered_);
     return st;
   }
+
+  void link_event(LinkEvent e) noexcept override { count(e == LinkEvent::rejected ? rejected_ : undelivered_); }
+
+  bool worker_active(std::size_t w) const noexcept override { return w < gone_.size() && gone_[w] == Gone::no; }
 
  private:
   enum class Gone : std::uint8_t { no, left, lost };
@@ -261,7 +272,14 @@ class Server final : public RequestHandler {
     if (r.op != Op::read && r.worker >= clocks_.size())
       throw wire_error("psx: server " + std::to_string(index_) + ": request from worker " +
                        std::to_string(r.worker) + " of " + std::to_string(clocks_.size()));
-    if (failed() && r.op != Op::read) throw peer_lost(failure_);
+    // Once the policy failed only inspection is served; a worker's leaving
+    // or failing is still recorded (a server told to stop waits for that).
+    if (failed() && r.op != Op::read && r.op != Op::leave && r.op != Op::fail) throw peer_lost(failure_);
+    if (failed() && r.op == Op::leave) {
+      if (gone_[r.worker] == Gone::no) gone_[r.worker] = Gone::left;
+      r.finish();
+      return;
+    }
     if (r.op != Op::read && r.op != Op::join && gone_[r.worker] == Gone::lost)
       throw peer_lost("psx: server " + std::to_string(index_) + ": worker " + std::to_string(r.worker) +
                       " was declared lost earlier (" + lost_reason_[r.worker] + ") and is no longer served");
@@ -613,6 +631,11 @@ class Server final : public RequestHandler {
   // goes on without it.
   void lose(std::size_t w, const std::string& reason) {
     if (gone_[w] != Gone::no) return;
+    if (failed()) {  // the cluster already failed: only remember the worker is gone
+      gone_[w] = Gone::lost;
+      lost_reason_[w] = reason;
+      return;
+    }
     const OnWorkerLost outcome = sync_.on_worker_lost(w, server_clock());
     gone_[w] = Gone::lost;
     lost_reason_[w] = reason;
@@ -681,7 +704,7 @@ class Server final : public RequestHandler {
 
   std::size_t index_;
   std::atomic<std::uint64_t> requests_{0}, pulls_{0}, pushes_{0}, bytes_in_{0}, bytes_out_{0}, errors_{0},
-      dropped_{0}, steps_{0};
+      dropped_{0}, steps_{0}, rejected_{0}, undelivered_{0};
   std::array<std::atomic<std::uint64_t>, staleness_buckets> staleness_{};
   SyncStateT sync_;
   O optimizer_;

@@ -308,16 +308,28 @@ class Worker {
     core_->clocks[index_] = next;
   }
 
-  //! Returns once every worker still training has called `barrier()` as often.
+  //! Returns once every worker still training has called `barrier()` as
+  //! often. Every server takes part, so every request a worker sent before
+  //! its barrier has reached its server when the barrier returns (even
+  //! between processes, where only messages from one worker to one server
+  //! keep their order).
   void barrier() {
     check_running("barrier");
-    Request r;
-    r.op = Op::barrier;
-    r.worker = static_cast<std::uint32_t>(index_);
-    r.clock = clock();
-    r.done = std::make_shared<Completion>(1);
-    auto done = r.done;
-    core_->send(0, std::move(r));
+    auto done = std::make_shared<Completion>(num_servers());
+    std::size_t s = 0;
+    try {
+      for (; s < num_servers(); ++s) {
+        Request r;
+        r.op = Op::barrier;
+        r.worker = static_cast<std::uint32_t>(index_);
+        r.clock = clock();
+        r.done = done;
+        core_->send(s, std::move(r));
+      }
+    } catch (...) {  // the parts not sent fail, so the wait below ends
+      const auto error = std::current_exception();
+      for (; s < num_servers(); ++s) done->finish(error);
+    }
     handle(std::move(done)).wait();
   }
 

@@ -1,0 +1,227 @@
+// bench_zmq: the ZeroMQ transport next to a raw cppzmq transfer of the same
+// bytes, in the same run, over tcp (loopback) and ipc.
+//
+//   push: a worker sends a tensor, the server answers "done"
+//   pull: a worker asks, the server answers the tensor, the worker copies it
+//         into its buffer
+//   latency: one pull of 4 KiB, round trip (median)
+//   sparse pull: 100k random rows x 16 floats from a 1M-row table
+//
+// The raw reference does exactly that with one DEALER and one ROUTER and no
+// psx: the bytes leave a buffer as a borrowed frame and land in a buffer.
+// The psx server here discards gradients (an optimizer whose update does
+// nothing), so what is measured is the transport, not SGD. psx and raw runs
+// alternate, and each figure is the median of `reps` runs.
+//
+// Goal (issue 5): psx at least 0.9x raw throughput for 1 MiB and larger, and
+// a round trip within 1.5x of the raw one.
+//
+//   ./bench_zmq [reps]          (PSX_BUSY_POLL_US=n sets Zmq::busy_poll, to compare)
+#include <psx/psx.hpp>
+#include <psx/transport/zmq.hpp>
+
+#include <zmq.hpp>
+#include <zmq_addon.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+namespace fs = std::filesystem;
+
+// The transport alone: gradients are received and dropped.
+struct Discard {
+  std::size_t slots() const { return 0; }
+  void update(std::span<float>, std::span<const float>, const psx::SlotView&, const psx::UpdateContext&) const {}
+};
+
+using Cluster = psx::ParameterServer<psx::partition::HashByName, psx::sync::Asynchronous, Discard, psx::transport::Zmq>;
+
+struct Sizes {
+  const char* name;
+  std::size_t floats;
+};
+constexpr Sizes sizes[] = {{"4 KiB", 1024}, {"1 MiB", 1 << 18}, {"64 MiB", 1 << 24}};
+constexpr std::size_t table_rows = 1 << 20, dim = 16, sparse_ids = 100000;
+
+template <class PS>
+void declare(PS& ps) {
+  for (const auto& s : sizes) ps.declare(psx::dense(std::string("t") + s.name, {s.floats}));
+  ps.declare({.name = "emb", .shape = {table_rows, dim}, .kind = psx::VariableKind::sparse});
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// Times `f` over enough calls to last ~50 ms; seconds per call.
+template <class F>
+double per_call(F&& f) {
+  f();
+  int n = 1;
+  for (;;) {
+    const auto t0 = Clock::now();
+    for (int i = 0; i < n; ++i) f();
+    const double s = std::chrono::duration<double>(Clock::now() - t0).count();
+    if (s > 0.05 || n >= (1 << 16)) return s / n;
+    n *= 4;
+  }
+}
+
+// The raw reference: a ROUTER that answers "push" with 1 byte and "pull"
+// with `bytes` of its buffer, on its own thread.
+class RawServer {
+ public:
+  RawServer(zmq::context_t& ctx, const std::string& endpoint, std::size_t max_bytes)
+      : sock_(ctx, zmq::socket_type::router), data_(max_bytes, std::byte{1}) {
+    sock_.bind(endpoint);
+    endpoint_ = sock_.get(zmq::sockopt::last_endpoint);
+    thread_ = std::thread([this] {
+      for (;;) {
+        std::vector<zmq::message_t> msg;
+        try {
+          if (!zmq::recv_multipart(sock_, std::back_inserter(msg))) continue;
+        } catch (const zmq::error_t&) {
+          return;
+        }
+        std::uint64_t want = 0;
+        std::memcpy(&want, msg[1].data(), sizeof want);
+        std::vector<zmq::message_t> reply;
+        reply.push_back(std::move(msg[0]));
+        if (want == 0) {
+          reply.emplace_back(1);
+        } else {
+          // A copy out of the "shard", as a server writing an answer makes.
+          reply.emplace_back(data_.data(), want);
+        }
+        zmq::send_multipart(sock_, reply);
+      }
+    });
+  }
+  ~RawServer() { thread_.join(); }
+  const std::string& endpoint() const { return endpoint_; }
+
+ private:
+  zmq::socket_t sock_;
+  std::vector<std::byte> data_;
+  std::string endpoint_;
+  std::thread thread_;
+};
+
+class RawClient {
+ public:
+  RawClient(zmq::context_t& ctx, const std::string& endpoint) : sock_(ctx, zmq::socket_type::dealer) {
+    sock_.set(zmq::sockopt::linger, 0);
+    sock_.connect(endpoint);
+  }
+  void push(const std::vector<float>& v) {
+    std::uint64_t zero = 0;
+    std::vector<zmq::message_t> msg;
+    msg.emplace_back(&zero, sizeof zero);
+    msg.emplace_back(const_cast<float*>(v.data()), v.size() * sizeof(float), nullptr, nullptr);  // borrowed
+    zmq::send_multipart(sock_, msg);
+    zmq::message_t ack;
+    (void)sock_.recv(ack);
+  }
+  void pull(std::vector<float>& v) {
+    std::uint64_t want = v.size() * sizeof(float);
+    sock_.send(zmq::buffer(&want, sizeof want));
+    zmq::message_t reply;
+    (void)sock_.recv(reply);
+    std::memcpy(v.data(), reply.data(), reply.size());
+  }
+
+ private:
+  zmq::socket_t sock_;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const int reps = argc > 1 ? std::atoi(argv[1]) : 5;
+  std::printf("bench_zmq: psx::transport::Zmq next to raw cppzmq (same bytes, same run), median of %d\n", reps);
+  std::printf("%-6s %-18s %12s %12s %8s\n", "link", "what", "psx", "raw zmq", "psx/raw");
+  for (const bool ipc : {false, true}) {
+    const fs::path dir = fs::temp_directory_path() / ("psx-bench-zmq-" + std::to_string(::getpid()));
+    fs::create_directories(dir);
+    psx::transport::ClusterSpec spec;
+    spec.ps = {ipc ? "ipc://" + (dir / "ps").string() : "127.0.0.1:0"};
+    spec.chief = {"127.0.0.1:0"};
+    auto task = [&](const char* type) {
+      psx::transport::Zmq z;
+      z.tf.cluster = spec;
+      z.tf.task = {type, 0};
+      z.rendezvous = dir.string();
+      if (const char* b = std::getenv("PSX_BUSY_POLL_US")) z.busy_poll = std::chrono::microseconds(std::atoi(b));
+      return z;
+    };
+    std::thread server([&] {
+      Cluster ps({1, 1}, {}, {}, {}, task("ps"));
+      declare(ps);
+      ps.run([](psx::Worker&) {});
+    });
+    {
+      Cluster chief({1, 1}, {}, {}, {}, task("chief"));
+      declare(chief);
+      psx::Worker w = chief.worker(0);
+      zmq::context_t ctx;
+      RawServer raw_server(ctx, ipc ? "ipc://" + (dir / "raw").string() : "tcp://127.0.0.1:0",
+                           sizes[2].floats * sizeof(float));
+      RawClient raw(ctx, raw_server.endpoint());
+      const char* link = ipc ? "ipc" : "tcp";
+      for (const auto& s : sizes) {
+        std::vector<float> buf(s.floats, 0.5f);
+        const std::string name = std::string("t") + s.name;
+        std::vector<double> pp, rp, pl, rl;
+        for (int r = 0; r < reps; ++r) {
+          pp.push_back(per_call([&] { w.push(name, buf); }));
+          rp.push_back(per_call([&] { raw.push(buf); }));
+          pl.push_back(per_call([&] { w.pull(name, buf); }));
+          rl.push_back(per_call([&] { raw.pull(buf); }));
+        }
+        const double bytes = static_cast<double>(s.floats * sizeof(float));
+        const double a = median(pp), b = median(rp), c = median(pl), d = median(rl);
+        if (s.floats <= 1024) {
+          std::printf("%-6s %-18s %9.1f us %9.1f us %7.2fx\n", link, (std::string("push ") + s.name).c_str(), a * 1e6,
+                      b * 1e6, a / b);
+          std::printf("%-6s %-18s %9.1f us %9.1f us %7.2fx   (round trip; goal <= 1.5x)\n", link,
+                      (std::string("pull ") + s.name).c_str(), c * 1e6, d * 1e6, c / d);
+        } else {
+          std::printf("%-6s %-18s %7.2f GB/s %7.2f GB/s %7.2fx   (goal >= 0.9x)\n", link,
+                      (std::string("push ") + s.name).c_str(), bytes / a / 1e9, bytes / b / 1e9, b / a);
+          std::printf("%-6s %-18s %7.2f GB/s %7.2f GB/s %7.2fx   (goal >= 0.9x)\n", link,
+                      (std::string("pull ") + s.name).c_str(), bytes / c / 1e9, bytes / d / 1e9, d / c);
+        }
+      }
+      // Sparse: 100k random rows of 16 floats (ids and rows both travel).
+      std::mt19937_64 rng(1);
+      std::vector<std::uint64_t> ids(sparse_ids);
+      for (auto& id : ids) id = rng() % table_rows;
+      std::vector<float> rows(sparse_ids * dim);
+      std::vector<double> ps_t, raw_t;
+      for (int r = 0; r < reps; ++r) {
+        ps_t.push_back(per_call([&] { w.pull_rows("emb", ids, rows); }));
+        raw_t.push_back(per_call([&] { raw.pull(rows); }));
+      }
+      const double bytes = static_cast<double>(rows.size() * sizeof(float));
+      std::printf("%-6s %-18s %7.2f GB/s %7.2f GB/s %7.2fx   (rows answered; raw moves the same bytes, no gather)\n",
+                  link, "sparse pull 100k", bytes / median(ps_t) / 1e9, bytes / median(raw_t) / 1e9,
+                  median(raw_t) / median(ps_t));
+      w.leave();
+      ctx.shutdown();
+    }
+    server.join();
+    fs::remove_all(dir);
+  }
+}

@@ -1,0 +1,1268 @@
+//! @file psx/transport/zmq.hpp
+//! `psx::transport::Zmq`: the same ParameterServer across processes and
+//! hosts over ZeroMQ (cppzmq over libzmq). Link with `psx::zmq`.
+//!
+//! Each process is one task of a TensorFlow-style cluster (TF_CONFIG): a
+//! `ps` task is one server, the `chief` is worker 0 and TF's `worker` i is
+//! psx worker i + 1. Every process runs the same program: it declares the
+//! same variables and calls `run`; a server process serves until the chief
+//! has shut down and every worker has left (or been lost), a worker process
+//! runs its worker. Sockets: each server binds one ROUTER; each worker
+//! process connects one DEALER per server, owned by an I/O thread, so many
+//! requests can be in flight. docs/distributed.md tells how to run it,
+//! docs/wire.md what travels.
+#pragma once
+
+#include <psx/concepts.hpp>
+#include <psx/detail/hash.hpp>
+#include <psx/detail/wire.hpp>
+#include <psx/errors.hpp>
+#include <psx/message.hpp>
+#include <psx/transport/cluster_spec.hpp>
+#include <psx/variable.hpp>
+
+#include <zmq.hpp>
+#include <zmq_addon.hpp>
+
+#include <fcntl.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <ostream>
+#include <random>
+#include <set>
+#include <span>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+namespace psx {
+inline namespace v0 {
+namespace transport {
+
+//! CurveZMQ encryption and authentication (optional). Keys are Z85 text,
+//! 40 characters, as `zmq_curve_keypair` makes them.
+struct Curve {
+  //! The servers' key pair: servers need both halves, workers the public one.
+  std::string server_public_key;
+  std::string server_secret_key;
+  //! This worker process's own key pair.
+  std::string client_public_key;
+  std::string client_secret_key;
+  //! Servers: the client public keys that may connect; a client not on the
+  //! list is refused at the handshake and counted (`ServerStats::rejected`).
+  //! Empty: any client that knows the server's public key.
+  std::vector<std::string> allowed_clients;
+
+  bool enabled() const noexcept { return !server_public_key.empty(); }
+
+  //! A new key pair {public, secret}.
+  static std::pair<std::string, std::string> keypair() {
+    char pub[41] = {}, sec[41] = {};
+    if (zmq_curve_keypair(pub, sec) != 0)
+      throw config_error(std::string("psx: zmq_curve_keypair failed: ") + zmq_strerror(zmq_errno()) +
+                         " (libzmq built without CURVE?)");
+    return {pub, sec};
+  }
+
+  friend bool operator==(const Curve&, const Curve&) = default;
+  friend std::ostream& operator<<(std::ostream& os, const Curve& c) {
+    // Never print a secret key.
+    return os << "Curve{" << (c.enabled() ? "on" : "off") << ", " << c.allowed_clients.size() << " allowed clients}";
+  }
+};
+
+//! The ZeroMQ transport's settings; `Zmq::from_env()` reads them from
+//! TF_CONFIG and PSX_RENDEZVOUS.
+struct Zmq {
+  //! The cluster and this process's task.
+  TfConfig tf;
+  //! A directory where a server bound to port 0 publishes its real endpoint
+  //! (file `ps-<i>`) and where workers look for it. Needed only with port 0.
+  std::string rendezvous;
+  //! How long a worker waits for every server to answer its hello, and a
+  //! server for the chief's first message.
+  std::chrono::milliseconds start_timeout{30000};
+  //! Tensors larger than this travel as several frames.
+  std::uint32_t chunk_bytes = ::psx::detail::wire::max_chunk_bytes;
+  //! What a server accepts (sizes are checked before anything is allocated).
+  ::psx::detail::wire::Limits limits;
+  //! libzmq I/O threads per process.
+  int io_threads = 1;
+  //! How long a worker's I/O thread polls without sleeping while an answer
+  //! to a small call (64 KiB or less both ways) is due; an answer that comes
+  //! within it is taken without a thread wake-up. Costs that much CPU per
+  //! call at most. bench_zmq, 4 KiB round trip over tcp on a 2-core
+  //! machine: 1.7x a raw cppzmq ping-pong with 0, 1.3x with 200 us; spinning
+  //! during 1 MiB transfers cost them up to half their throughput there,
+  //! hence the size limit.
+  std::chrono::microseconds busy_poll{200};
+  Curve curve;
+
+  //! TF_CONFIG for the cluster and task, PSX_RENDEZVOUS for `rendezvous`.
+  static Zmq from_env() {
+    Zmq z;
+    z.tf = TfConfig::from_env();
+    if (const char* r = std::getenv("PSX_RENDEZVOUS")) z.rendezvous = r;
+    return z;
+  }
+
+  class link_type;
+  std::unique_ptr<link_type> connect(const TransportContext& ctx) const;
+
+  friend bool operator==(const Zmq& a, const Zmq& b) {
+    return a.tf == b.tf && a.rendezvous == b.rendezvous && a.start_timeout == b.start_timeout &&
+           a.chunk_bytes == b.chunk_bytes && a.io_threads == b.io_threads && a.busy_poll == b.busy_poll &&
+           a.curve == b.curve;
+  }
+  friend std::ostream& operator<<(std::ostream& os, const Zmq& z) {
+    return os << "Zmq{task=" << z.tf.task << ", servers=" << z.tf.cluster.num_servers()
+              << ", workers=" << z.tf.cluster.num_workers() << ", " << z.curve << "}";
+  }
+};
+
+namespace detail_zmq {
+
+using clock = std::chrono::steady_clock;
+namespace wire = ::psx::detail::wire;
+
+// ThreadSanitizer cannot see libzmq (not built with it) hand a message from
+// one thread to another, so when both ends are threads of one process (the
+// tests run whole clusters that way) it would report the receiver's reads as
+// racing with the sender's writes. Every send releases and every receive
+// acquires one process-wide token: the order libzmq guarantees, stated to the
+// checker. Nothing at all in builds without ThreadSanitizer.
+#if defined(__SANITIZE_THREAD__)
+#define PSX_ZMQ_TSAN 1
+#elif defined(__has_feature)
+#if __has_feature(thread_sanitizer)
+#define PSX_ZMQ_TSAN 1
+#endif
+#endif
+#ifdef PSX_ZMQ_TSAN
+extern "C" void __tsan_acquire(void* addr);
+extern "C" void __tsan_release(void* addr);
+inline char tsan_token;
+inline void handing_over() noexcept { __tsan_release(&tsan_token); }
+inline void taken_over() noexcept { __tsan_acquire(&tsan_token); }
+#else
+inline void handing_over() noexcept {}
+inline void taken_over() noexcept {}
+#endif
+
+inline std::span<const std::byte> bytes_of(const zmq::message_t& m) noexcept {
+  return {static_cast<const std::byte*>(m.data()), m.size()};
+}
+
+inline zmq::message_t message_of(const std::vector<std::byte>& bytes) {
+  return zmq::message_t(bytes.data(), bytes.size());
+}
+
+// A frame that borrows `seg` and keeps `owner` alive until libzmq is done
+// with it. libzmq calls the free function from its own I/O thread, after
+// handing the message over through its lock-free pipes, which a thread
+// checker cannot see; the release/acquire pair on `ready` states that order
+// in the open (and costs nothing on x86).
+template <class Owner>
+struct Borrow {
+  std::shared_ptr<Owner> owner;
+  std::atomic<bool> ready{false};
+};
+
+template <class Owner>
+zmq::message_t borrowed(const ::psx::detail::wire::Segment& seg, const std::shared_ptr<Owner>& owner) {
+  auto* hint = new Borrow<Owner>{owner};
+  hint->ready.store(true, std::memory_order_release);
+  return zmq::message_t(
+      const_cast<std::byte*>(seg.data), seg.size,
+      [](void*, void* h) {
+        auto* b = static_cast<Borrow<Owner>*>(h);
+        (void)b->ready.load(std::memory_order_acquire);
+        taken_over();
+        delete b;
+      },
+      hint);
+}
+
+// An eventfd that wakes a zmq_poll from another thread.
+class Waker {
+ public:
+  Waker() : fd_(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)) {
+    if (fd_ < 0) throw config_error("psx: eventfd failed: " + std::string(std::strerror(errno)));
+  }
+  ~Waker() { ::close(fd_); }
+  Waker(const Waker&) = delete;
+  Waker& operator=(const Waker&) = delete;
+  void wake() noexcept {
+    const std::uint64_t one = 1;
+    [[maybe_unused]] auto n = ::write(fd_, &one, sizeof one);
+  }
+  void drain() noexcept {
+    std::uint64_t v;
+    [[maybe_unused]] auto n = ::read(fd_, &v, sizeof v);
+  }
+  int fd() const noexcept { return fd_; }
+
+ private:
+  int fd_;
+};
+
+inline std::string z85_of(const void* key32) {
+  char text[41] = {};
+  zmq_z85_encode(text, static_cast<const std::uint8_t*>(key32), 32);
+  return text;
+}
+
+inline void check_key(const std::string& key, const char* what) {
+  if (key.size() != 40)
+    throw config_error(std::string("psx: Curve::") + what + " must be 40 Z85 characters, got " +
+                       std::to_string(key.size()));
+}
+
+// zmq::poll, with a signal's EINTR counted as "nothing ready" (a profiler's
+// SIGPROF must not end a server).
+inline int poll(zmq::pollitem_t* items, std::size_t n, std::chrono::milliseconds timeout) {
+  try {
+    return zmq::poll(items, n, timeout);
+  } catch (const zmq::error_t& e) {
+    if (e.num() == EINTR) return 0;
+    throw;
+  }
+}
+
+inline int ms_until(clock::time_point t, clock::time_point now) {
+  if (t <= now) return 0;
+  const auto ms = std::chrono::ceil<std::chrono::milliseconds>(t - now).count();
+  return static_cast<int>(std::min<std::int64_t>(ms, 1000));
+}
+
+}  // namespace detail_zmq
+
+//! The per-process link: a server side when this process is a ps task, a
+//! worker side (I/O thread, one DEALER per server) when it is a worker.
+class Zmq::link_type {
+  using clock = detail_zmq::clock;
+  static constexpr std::size_t busy_poll_max_bytes = 64 * 1024;
+
+ public:
+  link_type(const Zmq& settings, const TransportContext& ctx)
+      : settings_(settings),
+        ctx_(ctx),
+        fingerprint_(::psx::detail::wire::fingerprint(ctx.num_servers, ctx.num_workers, ctx.variables)),
+        zctx_(settings.io_threads) {
+    const ClusterSpec& spec = settings_.tf.cluster;
+    if (spec.num_servers() != ctx.num_servers || spec.num_workers() != ctx.num_workers)
+      throw config_error("psx: the cluster spec has " + std::to_string(spec.num_servers()) + " ps and " +
+                         std::to_string(spec.num_workers()) + " workers (chief included), ClusterConfig says " +
+                         std::to_string(ctx.num_servers) + " servers and " + std::to_string(ctx.num_workers) +
+                         " workers");
+    if (settings_.chunk_bytes == 0 || settings_.chunk_bytes > ::psx::detail::wire::max_chunk_bytes)
+      throw config_error("psx: Zmq::chunk_bytes must be in [1, 2^31 - 1], got " +
+                         std::to_string(settings_.chunk_bytes));
+    if (settings_.curve.enabled()) {
+      detail_zmq::check_key(settings_.curve.server_public_key, "server_public_key");
+      if (zmq_has("curve") == 0) throw config_error("psx: Curve is set but this libzmq has no CURVE support");
+    }
+    if (settings_.tf.is_server()) {
+      server_index_ = settings_.tf.server_index();
+      try {
+        bind_server();
+      } catch (...) {  // no thread may outlive a constructor that failed
+        if (zap_.joinable()) {
+          zctx_.shutdown();
+          zap_.join();
+        }
+        throw;
+      }
+    } else {
+      worker_index_ = settings_.tf.worker_index();
+      try {
+        start_worker();
+      } catch (...) {  // unanswered hellos must not hold the context open
+        for (auto& d : dealers_) d.set(zmq::sockopt::linger, 0);
+        throw;
+      }
+    }
+  }
+
+  link_type(const link_type&) = delete;
+  link_type& operator=(const link_type&) = delete;
+  ~link_type() {
+    close();
+    if (io_.joinable()) io_.join();
+    if (zap_.joinable()) {
+      zctx_.shutdown();
+      zap_.join();
+    }
+  }
+
+  //! Whether this process runs server `s` / worker `w`.
+  bool local_server(std::size_t s) const noexcept { return server_index_ && *server_index_ == s; }
+  bool local_worker(std::size_t w) const noexcept { return worker_index_ && *worker_index_ == w; }
+  //! The endpoint this process's server bound (the real port after port 0).
+  const std::string& bound_endpoint() const noexcept { return bound_; }
+
+  // -- worker side -------------------------------------------------------------
+
+  //! Sends `r` to server `server`; thread-safe, returns at once. The
+  //! request's buffers stay borrowed until its completion finishes.
+  void send(std::size_t server, Request&& r) {
+    if (!worker_index_) throw config_error("psx: ps task " + std::to_string(*server_index_) + " cannot send requests");
+    if (server >= ctx_.num_servers)
+      throw config_error("psx: request for server " + std::to_string(server) + " of " +
+                         std::to_string(ctx_.num_servers));
+    auto call = std::make_shared<WorkerCall>();
+    // The call owns the completion only once it is queued: if send throws,
+    // the caller finishes this part (Worker::dispatch), and it must not be
+    // finished twice.
+    std::shared_ptr<Completion> done = std::move(r.done);
+    Outgoing out;
+    out.server = server;
+    std::vector<::psx::detail::wire::Segment> segs;
+    const bool rows = r.op == Op::pull_rows || r.op == Op::push_rows;
+    for (Item& item : r.items) {
+      WorkerCall::Out o;
+      if (!item.out16.empty()) {
+        o.kind = ::psx::detail::wire::OutKind::bits16;
+        o.dst = reinterpret_cast<std::byte*>(item.out16.data());
+        o.elem = 2;
+      } else if (!item.out.empty()) {
+        o.kind = ::psx::detail::wire::OutKind::float32;
+        o.dst = reinterpret_cast<std::byte*>(item.out.data());
+        o.elem = 4;
+      }
+      const VariableInfo* v = item.variable < ctx_.variables.size() ? &ctx_.variables[item.variable] : nullptr;
+      const std::size_t width = v ? v->meta.row_width : 1;
+      if (rows && !item.positions.empty()) {
+        // Rows spread over several servers: the caller's buffer is in the
+        // caller's order, the wire carries this server's rows in id order.
+        o.positions = item.positions;
+        o.width = width;
+        o.count = item.ids.size() * width;
+        if (r.op == Op::push_rows) {
+          auto& g = call->gathered.emplace_back(item.ids.size() * width);
+          for (std::size_t j = 0; j < item.positions.size(); ++j)
+            std::memcpy(g.data() + j * width, item.in.data() + item.positions[j] * width, width * sizeof(float));
+          item.in = g;
+        } else if (o.kind == ::psx::detail::wire::OutKind::bits16) {
+          item.out16 = std::span<std::uint16_t>(reinterpret_cast<std::uint16_t*>(o.dst), o.count);
+        } else {
+          item.out = std::span<float>(reinterpret_cast<float*>(o.dst), o.count);
+        }
+        item.positions = {};
+      } else {
+        o.count = o.kind == ::psx::detail::wire::OutKind::bits16 ? item.out16.size() : item.out.size();
+      }
+      call->bytes += item.in.size_bytes() + item.ids.size_bytes() + o.count * o.elem;
+      call->outs.push_back(o);
+    }
+    const std::uint64_t id = done ? next_call_.fetch_add(1) + 1 : 0;
+    ::psx::detail::wire::RequestHead head{id, fingerprint_, settings_.chunk_bytes};
+    auto header = ::psx::detail::wire::encode_request(r, head, segs);
+    out.frames.push_back(detail_zmq::message_of(header));
+    for (const auto& seg : segs) out.frames.push_back(detail_zmq::borrowed(seg, call));
+    out.call = head.call ? call : nullptr;
+    out.id = head.call;
+    {
+      std::lock_guard lock(mu_);
+      if (closing_) throw shutdown_error("psx: worker " + std::to_string(*worker_index_) + ": the link is closed");
+      queue_.push_back(std::move(out));
+      call->done = std::move(done);
+    }
+    waker_.wake();
+  }
+
+  // -- server side ---------------------------------------------------------------
+
+  //! Runs this process's server loop until the chief said stop and every
+  //! worker has gone, until `close()`, or until the chief went silent.
+  void serve(std::size_t server, RequestHandler& handler) {
+    if (!local_server(server)) return;
+    ServerLoop loop{*this, handler};
+    loop.run();
+    {
+      std::lock_guard lock(mu_);
+      served_ = true;
+    }
+    stopped_cv_.notify_all();
+  }
+
+  //! Blocks until this process's server loop has ended; returns why when it
+  //! ended because the chief was lost (empty otherwise).
+  std::string wait_stopped() {
+    std::unique_lock lock(mu_);
+    stopped_cv_.wait(lock, [&] { return served_ || closing_; });
+    return stop_reason_;
+  }
+
+  //! Stops every loop; pending calls fail with shutdown_error. The chief
+  //! tells every server the cluster is done first.
+  void close() noexcept {
+    {
+      std::lock_guard lock(mu_);
+      if (closing_) return;
+      closing_ = true;
+    }
+    waker_.wake();
+    stopped_cv_.notify_all();
+    if (io_.joinable()) io_.join();
+  }
+
+ private:
+  // What a worker keeps of one request to one server until it is answered.
+  struct WorkerCall {
+    struct Out {
+      ::psx::detail::wire::OutKind kind = ::psx::detail::wire::OutKind::none;
+      std::byte* dst = nullptr;
+      std::size_t count = 0;  // elements on the wire
+      std::size_t elem = 4;
+      std::span<const std::uint32_t> positions;
+      std::size_t width = 0;
+    };
+    std::shared_ptr<Completion> done;
+    std::exception_ptr error;
+    std::vector<Out> outs;
+    std::vector<std::vector<float>> gathered;
+    std::size_t server = 0;
+    std::size_t bytes = 0;  // payload both ways
+    // When the call fails unless answered (its server restarted), and why.
+    clock::time_point deadline = clock::time_point::max();
+    std::string deadline_reason;
+    // Finished when the I/O thread and every frame libzmq borrowed let go.
+    ~WorkerCall() {
+      if (done) done->finish(std::move(error));
+    }
+  };
+
+  struct Outgoing {
+    std::size_t server = 0;
+    std::uint64_t id = 0;
+    std::vector<zmq::message_t> frames;
+    std::shared_ptr<WorkerCall> call;
+  };
+
+  std::string server_name(std::size_t s) const {
+    return "ps task " + std::to_string(s) + " (" + endpoints_.at(s) + ")";
+  }
+  std::string worker_name() const { return "worker " + std::to_string(worker_index_.value_or(0)); }
+
+  void apply_curve_client(zmq::socket_t& sock) const {
+    const Curve& c = settings_.curve;
+    if (!c.enabled()) return;
+    detail_zmq::check_key(c.client_public_key, "client_public_key");
+    detail_zmq::check_key(c.client_secret_key, "client_secret_key");
+    try {
+      sock.set(zmq::sockopt::curve_serverkey, c.server_public_key);
+      sock.set(zmq::sockopt::curve_publickey, c.client_public_key);
+      sock.set(zmq::sockopt::curve_secretkey, c.client_secret_key);
+    } catch (const zmq::error_t& e) {
+      throw config_error("psx: " + worker_name() + ": libzmq refuses the Curve keys: " + e.what());
+    }
+  }
+
+  // The endpoint of server `s`, from the spec or, for port 0, from the
+  // rendezvous directory (waiting for the server to publish it).
+  std::string resolve_server(std::size_t s, clock::time_point deadline) const {
+    const std::string& address = settings_.tf.cluster.server_address(s);
+    if (tcp_port(address) != std::optional<std::uint16_t>(0)) return zmq_endpoint(address);
+    if (settings_.rendezvous.empty())
+      throw config_error("psx: ps task " + std::to_string(s) + " has address " + address +
+                         " (port 0: ephemeral) but no rendezvous directory is set (Zmq::rendezvous, PSX_RENDEZVOUS)");
+    const auto file = std::filesystem::path(settings_.rendezvous) / ("ps-" + std::to_string(s));
+    for (;;) {
+      std::ifstream in(file);
+      std::string endpoint;
+      if (in && std::getline(in, endpoint) && !endpoint.empty()) return endpoint;
+      if (clock::now() >= deadline)
+        throw peer_lost("psx: " + worker_name() + ": ps task " + std::to_string(s) + " (" + address +
+                        ") did not publish its endpoint in " + file.string() + " within " +
+                        std::to_string(settings_.start_timeout.count()) + " ms");
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+  }
+
+  // -- server side: bind --------------------------------------------------------
+
+  void bind_server() {
+    const std::size_t s = *server_index_;
+    const std::string& address = settings_.tf.cluster.server_address(s);
+    router_ = zmq::socket_t(zctx_, zmq::socket_type::router);
+    router_.set(zmq::sockopt::router_mandatory, 1);
+    router_.set(zmq::sockopt::linger, 1000);
+    router_.set(zmq::sockopt::sndhwm, 0);
+    router_.set(zmq::sockopt::rcvhwm, 0);
+    const Curve& c = settings_.curve;
+    if (c.enabled()) {
+      detail_zmq::check_key(c.server_secret_key, "server_secret_key");
+      // The handler first: without one, libzmq would let any client in.
+      start_zap();
+      try {
+        router_.set(zmq::sockopt::zap_domain, "psx");
+        router_.set(zmq::sockopt::curve_server, 1);
+        router_.set(zmq::sockopt::curve_secretkey, c.server_secret_key);
+      } catch (const zmq::error_t& e) {
+        throw config_error("psx: ps task " + std::to_string(s) + ": libzmq refuses the Curve server key: " + e.what());
+      }
+    }
+    // Frames above the largest chunk are refused by libzmq before they are
+    // allocated (the wire checks the rest).
+    router_.set(zmq::sockopt::maxmsgsize,
+                static_cast<std::int64_t>(
+                    std::min<std::uint64_t>(settings_.limits.max_message_bytes, ::psx::detail::wire::max_chunk_bytes)));
+    const std::string endpoint = zmq_endpoint(address);
+    try {
+      router_.bind(endpoint);
+    } catch (const zmq::error_t& e) {
+      throw config_error("psx: ps task " + std::to_string(s) + " cannot bind " + endpoint + ": " + e.what());
+    }
+    bound_ = router_.get(zmq::sockopt::last_endpoint);
+    if (tcp_port(address) == std::optional<std::uint16_t>(0)) {
+      if (settings_.rendezvous.empty())
+        throw config_error("psx: ps task " + std::to_string(s) + " binds " + address +
+                           " (port 0: ephemeral) but no rendezvous directory is set (Zmq::rendezvous, "
+                           "PSX_RENDEZVOUS) to publish the real port in");
+      // Written to a temporary name and renamed, so a reader never sees half.
+      const auto dir = std::filesystem::path(settings_.rendezvous);
+      const auto tmp = dir / ("ps-" + std::to_string(s) + ".tmp");
+      {
+        std::ofstream out(tmp, std::ios::trunc);
+        out << bound_ << '\n';
+        if (!out.flush()) throw config_error("psx: ps task " + std::to_string(s) + " cannot write " + tmp.string());
+      }
+      std::error_code ec;
+      std::filesystem::rename(tmp, dir / ("ps-" + std::to_string(s)), ec);
+      if (ec)
+        throw config_error("psx: ps task " + std::to_string(s) + " cannot publish its endpoint in " + dir.string() +
+                           ": " + ec.message());
+    }
+  }
+
+  // ZeroMQ's authentication protocol (RFC 27): a REP socket on
+  // inproc://zeromq.zap.01 that libzmq asks about each CURVE client.
+  void start_zap() {
+    zap_socket_ = zmq::socket_t(zctx_, zmq::socket_type::rep);
+    zap_socket_.bind("inproc://zeromq.zap.01");
+    std::set<std::string> allowed(settings_.curve.allowed_clients.begin(), settings_.curve.allowed_clients.end());
+    zap_ = std::thread([this, allowed = std::move(allowed)] {
+      for (;;) {
+        std::vector<zmq::message_t> req;
+        try {
+          if (!zmq::recv_multipart(zap_socket_, std::back_inserter(req))) continue;
+          detail_zmq::taken_over();
+        } catch (const zmq::error_t&) {
+          break;  // context shut down
+        }
+        bool ok =
+            req.size() >= 7 && req[0].to_string() == "1.0" && req[5].to_string() == "CURVE" && req[6].size() == 32;
+        std::string key = ok ? detail_zmq::z85_of(req[6].data()) : std::string();
+        ok = ok && (allowed.empty() || allowed.contains(key));
+        if (!ok) zap_denied_.fetch_add(1, std::memory_order_relaxed);
+        std::vector<zmq::message_t> rep;
+        rep.emplace_back(std::string_view("1.0"));
+        rep.emplace_back(req.size() > 1 ? req[1].to_string() : std::string());
+        rep.emplace_back(std::string_view(ok ? "200" : "400"));
+        rep.emplace_back(std::string_view(ok ? "OK" : "client key not allowed"));
+        rep.emplace_back(key);
+        rep.emplace_back();
+        try {
+          detail_zmq::handing_over();
+          zmq::send_multipart(zap_socket_, rep);
+        } catch (const zmq::error_t&) {
+          break;
+        }
+      }
+      zap_socket_.close();
+    });
+  }
+
+  // The server's receive loop, on the thread that called serve().
+  class ServerLoop {
+   public:
+    ServerLoop(link_type& link, RequestHandler& h) : l_(link), h_(h), seen_(link.ctx_.num_workers, false) {}
+
+    void run() {
+      for (;;) {
+        {
+          std::lock_guard lock(l_.mu_);
+          if (l_.closing_) break;
+        }
+        if (stop_ && done_serving()) break;
+        const auto now = clock::now();
+        if (chief_lost(now)) break;
+        if (const auto denied = l_.zap_denied_.exchange(0, std::memory_order_relaxed))
+          for (std::uint64_t k = 0; k < denied; ++k) h_.link_event(RequestHandler::LinkEvent::rejected);
+        auto until = std::min(h_.next_tick(), now + std::chrono::milliseconds(100));
+        zmq::pollitem_t items[] = {
+            {l_.router_.handle(), 0, static_cast<short>(ZMQ_POLLIN | (outbox_.empty() ? 0 : ZMQ_POLLOUT)), 0},
+            {nullptr, l_.waker_.fd(), ZMQ_POLLIN, 0}};
+        detail_zmq::poll(items, 2, std::chrono::milliseconds(detail_zmq::ms_until(until, now)));
+        if (items[1].revents & ZMQ_POLLIN) l_.waker_.drain();
+        // Take what is there, a bounded batch, so ticks and the outbox are not starved.
+        for (int k = 0; k < 256; ++k) {
+          std::vector<zmq::message_t> msg;
+          if (!zmq::recv_multipart(l_.router_, std::back_inserter(msg), zmq::recv_flags::dontwait)) break;
+          detail_zmq::taken_over();
+          try {
+            on_message(std::move(msg));
+          } catch (...) {  // e.g. bad_alloc: this message is lost, the server is not
+            reject();
+          }
+        }
+        flush();
+        const auto after = clock::now();
+        if (after >= h_.next_tick()) h_.tick(after);
+      }
+      // Whatever is still kept fails now; the answers go out if they can.
+      const std::string why = "psx: ps task " + std::to_string(*l_.server_index_) + " stopped before answering";
+      h_.drain([&] { return std::make_exception_ptr(shutdown_error(why)); });
+      flush();
+      l_.router_.close();
+    }
+
+   private:
+    struct ServerCall {
+      zmq::message_t routing;
+      std::vector<zmq::message_t> frames;
+      ::psx::detail::wire::Incoming in;
+      std::vector<std::unique_ptr<std::uint64_t[]>> replies;
+    };
+
+    bool chief_lost(clock::time_point now) {
+      const auto timeout = l_.ctx_.peer_timeout;
+      // A chief that said stop or left is done, not lost: the others may
+      // train on for longer than the timeout.
+      if (timeout.count() <= 0 || stop_ || (chief_seen_ && !h_.worker_active(0))) return false;
+      std::string why;
+      if (!chief_seen_ && now - started_ > std::max<clock::duration>(l_.settings_.start_timeout, timeout))
+        why =
+            "the chief (worker 0) never appeared within " + std::to_string(l_.settings_.start_timeout.count()) + " ms";
+      else if (chief_seen_ && now - chief_last_ > timeout)
+        why = "the chief (worker 0) sent nothing for " +
+              std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(now - chief_last_).count()) +
+              " ms (peer_timeout " + std::to_string(timeout.count()) + " ms)";
+      if (why.empty()) return false;
+      std::lock_guard lock(l_.mu_);
+      l_.stop_reason_ = "psx: ps task " + std::to_string(*l_.server_index_) + ": " + why;
+      return true;
+    }
+
+    // After the chief's stop: every worker that spoke has left or been lost,
+    // and one that never spoke had start_timeout to appear.
+    bool done_serving() const {
+      const bool late = clock::now() - started_ > l_.settings_.start_timeout;
+      for (std::size_t w = 0; w < seen_.size(); ++w)
+        if (seen_[w] ? h_.worker_active(w) : !late) return false;
+      return true;
+    }
+
+    void heard_from(std::uint32_t worker) {
+      if (worker < seen_.size()) seen_[worker] = true;
+      if (worker != 0) return;
+      chief_seen_ = true;
+      chief_last_ = clock::now();
+    }
+
+    std::string sender(std::uint32_t worker) const {
+      return "ps task " + std::to_string(*l_.server_index_) + ": a message from worker " + std::to_string(worker);
+    }
+
+    void reject() { h_.link_event(RequestHandler::LinkEvent::rejected); }
+
+    void send_now(std::vector<zmq::message_t>&& frames) {
+      outbox_.push_back(std::move(frames));
+      flush();
+    }
+
+    void answer(const zmq::message_t& routing, std::vector<std::byte> header) {
+      std::vector<zmq::message_t> frames;
+      frames.emplace_back(routing.data(), routing.size());
+      frames.push_back(detail_zmq::message_of(header));
+      send_now(std::move(frames));
+    }
+
+    // Sends what waits; keeps the rest for when the socket takes more
+    // (ROUTER_MANDATORY: a full pipe says EAGAIN instead of dropping).
+    void flush() {
+      while (!outbox_.empty()) {
+        auto& frames = outbox_.front();
+        try {
+          detail_zmq::handing_over();
+          if (!l_.router_.send(frames[0], zmq::send_flags::dontwait | zmq::send_flags::sndmore)) return;
+          for (std::size_t k = 1; k < frames.size(); ++k)
+            l_.router_.send(frames[k], k + 1 < frames.size() ? zmq::send_flags::sndmore : zmq::send_flags::none);
+        } catch (const zmq::error_t&) {
+          // EHOSTUNREACH: the worker's connection is gone (ROUTER_MANDATORY
+          // says so instead of dropping the answer in silence).
+          h_.link_event(RequestHandler::LinkEvent::undelivered);
+        }
+        outbox_.pop_front();
+      }
+    }
+
+    void on_message(std::vector<zmq::message_t>&& msg) {
+      if (msg.size() < 2) return reject();
+      const auto head = detail_zmq::bytes_of(msg[1]);
+      ::psx::detail::wire::Prefix p;
+      try {
+        p = ::psx::detail::wire::read_prefix(head, "ps task " + std::to_string(*l_.server_index_));
+      } catch (const wire_error&) {
+        return reject();
+      }
+      if (p.version != ::psx::detail::wire::version) {
+        reject();
+        return answer(
+            msg[0], ::psx::detail::wire::encode_refuse(
+                        ::psx::detail::wire::Status::wire_error,
+                        "psx: ps task " + std::to_string(*l_.server_index_) + " speaks " +
+                            ::psx::detail::wire::version_text(::psx::detail::wire::version) + ", the peer " +
+                            ::psx::detail::wire::version_text(p.version) + ": build every process with the same psx"));
+      }
+      switch (p.kind) {
+        case ::psx::detail::wire::Kind::hello:
+          return on_hello(msg, head);
+        case ::psx::detail::wire::Kind::request:
+          return on_request(std::move(msg));
+        case ::psx::detail::wire::Kind::stop:
+          // Only from a process of this cluster (the word is its fingerprint).
+          if (::psx::detail::wire::decode_signal(head, "stop") != l_.fingerprint_) return reject();
+          stop_ = true;
+          return;
+        default:
+          return reject();
+      }
+    }
+
+    void on_hello(std::vector<zmq::message_t>& msg, std::span<const std::byte> head) {
+      ::psx::detail::wire::Hello hello;
+      try {
+        hello = ::psx::detail::wire::decode_hello(head, "ps task " + std::to_string(*l_.server_index_));
+      } catch (const wire_error& e) {
+        reject();
+        return answer(msg[0], ::psx::detail::wire::encode_refuse(::psx::detail::wire::Status::wire_error, e.what()));
+      }
+      std::string why;
+      if (hello.worker >= l_.ctx_.num_workers)
+        why = "worker " + std::to_string(hello.worker) + " of a cluster of " + std::to_string(l_.ctx_.num_workers);
+      else if (hello.fingerprint != l_.fingerprint_)
+        why = "worker " + std::to_string(hello.worker) +
+              " declared other variables or another cluster shape (fingerprint " + std::to_string(hello.fingerprint) +
+              ", this server " + std::to_string(l_.fingerprint_) + "): every process must declare the same";
+      if (!why.empty()) {
+        reject();
+        return answer(msg[0], ::psx::detail::wire::encode_refuse(
+                                  ::psx::detail::wire::Status::config_error,
+                                  "psx: ps task " + std::to_string(*l_.server_index_) + " refuses " + why));
+      }
+      heard_from(hello.worker);
+      answer(msg[0], ::psx::detail::wire::encode_signal(::psx::detail::wire::Kind::welcome, l_.incarnation_));
+    }
+
+    // Checks an item's reply size against the declared variable before the
+    // buffer is allocated; the server checks the rest.
+    std::string bad_output(const Request& r, std::size_t i, const ::psx::detail::wire::OutSpec& o) const {
+      const Item& item = r.items[i];
+      const bool pull = r.op == Op::pull || r.op == Op::read || r.op == Op::pull_rows;
+      if (!pull) return o.count == 0 ? "" : "a push asks for values back";
+      if (o.count == 0) return "a pull without an output";
+      if (item.variable >= l_.ctx_.variables.size()) return "unknown variable " + std::to_string(item.variable);
+      const VariableInfo& v = l_.ctx_.variables[item.variable];
+      if (item.shard >= v.shards.size() || v.shards[item.shard].server != *l_.server_index_)
+        return "shard " + std::to_string(item.shard) + " of '" + v.meta.name + "' is not on this server";
+      const std::size_t want =
+          r.op == Op::pull_rows ? item.ids.size() * v.meta.row_width : v.shards[item.shard].rows() * v.meta.row_width;
+      if (o.count != want)
+        return "'" + v.meta.name + "' answers " + std::to_string(want) + " elements, the request asks " +
+               std::to_string(o.count);
+      return "";
+    }
+
+    void on_request(std::vector<zmq::message_t>&& msg) {
+      auto call = std::make_shared<ServerCall>();
+      call->routing = std::move(msg[0]);
+      call->frames.assign(std::make_move_iterator(msg.begin() + 1), std::make_move_iterator(msg.end()));
+      std::vector<std::span<const std::byte>> spans;
+      spans.reserve(call->frames.size());
+      for (const auto& f : call->frames) spans.push_back(detail_zmq::bytes_of(f));
+      const auto head = spans[0];
+      const std::uint64_t call_id = head.size() >= 16 ? ::psx::detail::wire::get<std::uint64_t>(head, 8) : 0;
+      const std::uint32_t worker = head.size() >= 36 ? ::psx::detail::wire::get<std::uint32_t>(head, 32) : 0;
+      try {
+        call->in = ::psx::detail::wire::decode_request(spans, l_.settings_.limits, sender(worker));
+        Request& r = call->in.request;
+        if (call->in.head.fingerprint != l_.fingerprint_)
+          throw wire_error("psx: " + sender(worker) + " was built from other declarations (fingerprint " +
+                           std::to_string(call->in.head.fingerprint) + ", this server " +
+                           std::to_string(l_.fingerprint_) + ")");
+        if (r.worker >= l_.ctx_.num_workers)
+          throw wire_error("psx: " + sender(worker) + ": no such worker in a cluster of " +
+                           std::to_string(l_.ctx_.num_workers));
+        if (call_id == 0 && !r.items.empty())
+          throw wire_error("psx: " + sender(worker) + ": a request with items must ask for an answer");
+        for (std::size_t i = 0; i < r.items.size(); ++i) {
+          const auto& o = call->in.outs[i];
+          if (auto bad = bad_output(r, i, o); !bad.empty())
+            throw wire_error("psx: " + sender(worker) + ", item " + std::to_string(i) + ": " + bad);
+          if (o.count == 0) continue;
+          auto& buf = call->replies.emplace_back(new std::uint64_t[(o.bytes() + 7) / 8]);
+          if (o.kind == ::psx::detail::wire::OutKind::bits16)
+            r.items[i].out16 = {reinterpret_cast<std::uint16_t*>(buf.get()), static_cast<std::size_t>(o.count)};
+          else
+            r.items[i].out = {reinterpret_cast<float*>(buf.get()), static_cast<std::size_t>(o.count)};
+        }
+      } catch (const wire_error&) {
+        reject();
+        if (call_id != 0) reply(call, call_id, std::current_exception());
+        return;
+      }
+      Request& r = call->in.request;
+      heard_from(r.worker);
+      if (r.op == Op::heartbeat)
+        answer(call->routing, ::psx::detail::wire::encode_signal(::psx::detail::wire::Kind::pong, l_.incarnation_));
+      if (call_id != 0)
+        r.done = std::make_shared<Completion>(1, [this, call, call_id](std::exception_ptr e) noexcept {
+          try {
+            reply(call, call_id, std::move(e));
+          } catch (...) {  // no memory for the answer: counted, the worker's timeout ends its wait
+            h_.link_event(RequestHandler::LinkEvent::undelivered);
+          }
+        });
+      h_.handle(std::move(r));
+    }
+
+    void reply(const std::shared_ptr<ServerCall>& call, std::uint64_t id, std::exception_ptr error) {
+      std::vector<zmq::message_t> frames;
+      frames.emplace_back(call->routing.data(), call->routing.size());
+      if (error) {
+        auto [status, text] = ::psx::detail::wire::status_of(error);
+        frames.push_back(
+            detail_zmq::message_of(::psx::detail::wire::encode_reply(id, status, text, 0, l_.settings_.chunk_bytes)));
+        return send_now(std::move(frames));
+      }
+      std::vector<::psx::detail::wire::Segment> segs;
+      std::uint32_t tensors = 0;
+      std::size_t b = 0;
+      for (const auto& o : call->in.outs) {
+        if (o.count == 0) continue;
+        ++tensors;
+        ::psx::detail::wire::add_tensor(segs, call->replies[b++].get(), o.bytes(), l_.settings_.chunk_bytes);
+      }
+      frames.push_back(detail_zmq::message_of(::psx::detail::wire::encode_reply(id, ::psx::detail::wire::Status::ok, {},
+                                                                                tensors, l_.settings_.chunk_bytes)));
+      for (const auto& seg : segs) frames.push_back(detail_zmq::borrowed(seg, call));
+      send_now(std::move(frames));
+    }
+
+    link_type& l_;
+    RequestHandler& h_;
+    std::deque<std::vector<zmq::message_t>> outbox_;
+    std::vector<bool> seen_;
+    const clock::time_point started_ = clock::now();
+    bool stop_ = false;
+    bool chief_seen_ = false;
+    clock::time_point chief_last_{};
+  };
+
+  // -- worker side: connect, hello, I/O thread -----------------------------------
+
+  void start_worker() {
+    const auto deadline = clock::now() + settings_.start_timeout;
+    const std::size_t n = ctx_.num_servers;
+    endpoints_.resize(n);
+    dealers_.reserve(n);
+    for (std::size_t s = 0; s < n; ++s) {
+      endpoints_[s] = resolve_server(s, deadline);
+      auto& d = dealers_.emplace_back(make_dealer(s));
+      detail_zmq::handing_over();
+      d.send(detail_zmq::message_of(::psx::detail::wire::encode_hello(
+                 {fingerprint_, static_cast<std::uint32_t>(*worker_index_),
+                  static_cast<std::uint32_t>(ctx_.num_workers), static_cast<std::uint32_t>(n)})),
+             zmq::send_flags::none);
+    }
+    // Every server must welcome us before training starts.
+    std::vector<bool> welcomed(n, false);
+    incarnations_.assign(n, 0);
+    std::size_t missing = n;
+    while (missing > 0) {
+      const auto now = clock::now();
+      if (now >= deadline) {
+        std::string who;
+        for (std::size_t s = 0; s < n; ++s)
+          if (!welcomed[s]) who += (who.empty() ? "" : ", ") + server_name(s);
+        throw peer_lost("psx: " + worker_name() + ": no answer within " +
+                        std::to_string(settings_.start_timeout.count()) + " ms (start_timeout) from " + who);
+      }
+      std::vector<zmq::pollitem_t> items;
+      for (auto& d : dealers_) items.push_back({d.handle(), 0, ZMQ_POLLIN, 0});
+      detail_zmq::poll(items.data(), items.size(), std::chrono::milliseconds(detail_zmq::ms_until(deadline, now)));
+      for (std::size_t s = 0; s < n; ++s) {
+        if (!(items[s].revents & ZMQ_POLLIN)) continue;
+        std::vector<zmq::message_t> msg;
+        if (!zmq::recv_multipart(dealers_[s], std::back_inserter(msg), zmq::recv_flags::dontwait)) continue;
+        detail_zmq::taken_over();
+        if (msg.empty()) continue;
+        const auto head = detail_zmq::bytes_of(msg[0]);
+        const auto p = ::psx::detail::wire::read_prefix(head, worker_name() + ": the answer of " + server_name(s));
+        if (p.kind == ::psx::detail::wire::Kind::refuse)
+          std::rethrow_exception(
+              ::psx::detail::wire::exception_of(static_cast<::psx::detail::wire::Status>(p.byte7),
+                                                ::psx::detail::wire::decode_refuse(head, server_name(s))));
+        if (p.version != ::psx::detail::wire::version)
+          throw wire_error("psx: " + worker_name() + ": " + server_name(s) + " speaks " +
+                           ::psx::detail::wire::version_text(p.version) + ", this worker " +
+                           ::psx::detail::wire::version_text(::psx::detail::wire::version));
+        if (p.kind == ::psx::detail::wire::Kind::welcome && !welcomed[s]) {
+          incarnations_[s] = ::psx::detail::wire::decode_signal(head, server_name(s));
+          welcomed[s] = true;
+          --missing;
+        }
+      }
+    }
+    last_heard_.assign(n, clock::now());
+    io_ = std::thread([this] { io_loop(); });
+  }
+
+  zmq::socket_t make_dealer(std::size_t s) {
+    zmq::socket_t d(zctx_, zmq::socket_type::dealer);
+    d.set(zmq::sockopt::linger, 2000);
+    // No high-water mark: a worker's requests in flight are bounded by its
+    // own calls, and a mark would make libzmq block or drop.
+    d.set(zmq::sockopt::sndhwm, 0);
+    d.set(zmq::sockopt::rcvhwm, 0);
+    apply_curve_client(d);
+    d.connect(endpoints_[s]);
+    return d;
+  }
+
+  void io_loop() {
+    const std::size_t n = dealers_.size();
+    std::vector<std::deque<Outgoing>> outbox(n);
+    std::unordered_map<std::uint64_t, std::shared_ptr<WorkerCall>> pending;
+    std::vector<std::size_t> pending_per(n, 0);
+    const auto timeout = ctx_.peer_timeout;
+    const auto beat = timeout.count() > 0 ? std::max<clock::duration>(timeout / 4, std::chrono::milliseconds(1))
+                                          : clock::duration::max();
+    auto next_beat = timeout.count() > 0 ? clock::now() + beat : clock::time_point::max();
+    bool closing = false;
+    auto fail_server = [&](std::size_t s, const std::string& why) {
+      for (auto it = pending.begin(); it != pending.end();) {
+        if (it->second->server == s) {
+          it->second->error = std::make_exception_ptr(peer_lost(why));
+          it = pending.erase(it);
+        } else {
+          ++it;
+        }
+      }
+      pending_per[s] = 0;
+      // libzmq may still hold frames that borrow the callers' buffers, in a
+      // pipe to a peer that is gone: a new socket (linger 0 on the old one)
+      // lets them go, so the failed calls complete, and reconnects to a
+      // server that restarts on the same endpoint.
+      outbox[s].clear();
+      dealers_[s].set(zmq::sockopt::linger, 0);
+      dealers_[s].close();
+      dealers_[s] = make_dealer(s);
+    };
+    for (;;) {
+      {
+        std::lock_guard lock(mu_);
+        while (!queue_.empty()) {
+          Outgoing o = std::move(queue_.front());
+          queue_.pop_front();
+          if (o.call) {
+            o.call->server = o.server;
+            pending.emplace(o.id, o.call);
+            ++pending_per[o.server];
+            if (pending_per[o.server] == 1) last_heard_[o.server] = std::max(last_heard_[o.server], clock::now());
+          }
+          o.call.reset();
+          outbox[o.server].push_back(std::move(o));
+        }
+        closing = closing_;
+      }
+      if (closing) break;
+      try {
+        // Send what the sockets take; a full pipe keeps the rest (backpressure).
+        for (std::size_t s = 0; s < n; ++s) send_some(s, outbox[s]);
+        const auto now = clock::now();
+        for (auto it = pending.begin(); it != pending.end();) {
+          if (it->second->deadline <= now) {
+            it->second->error = std::make_exception_ptr(peer_lost(it->second->deadline_reason));
+            --pending_per[it->second->server];
+            it = pending.erase(it);
+          } else {
+            ++it;
+          }
+        }
+        if (now >= next_beat) {
+          next_beat = now + beat;
+          for (std::size_t s = 0; s < n; ++s) {
+            Request hb;
+            hb.op = Op::heartbeat;
+            hb.worker = static_cast<std::uint32_t>(*worker_index_);
+            std::vector<::psx::detail::wire::Segment> none;
+            Outgoing o;
+            o.server = s;
+            o.frames.push_back(detail_zmq::message_of(
+                ::psx::detail::wire::encode_request(hb, {0, fingerprint_, settings_.chunk_bytes}, none)));
+            outbox[s].push_back(std::move(o));
+            send_some(s, outbox[s]);
+          }
+          for (std::size_t s = 0; s < n; ++s)
+            if (pending_per[s] > 0 && now - last_heard_[s] > timeout)
+              fail_server(s,
+                          "psx: " + worker_name() + ": " + server_name(s) + " sent nothing for " +
+                              std::to_string(
+                                  std::chrono::duration_cast<std::chrono::milliseconds>(now - last_heard_[s]).count()) +
+                              " ms while requests waited (peer_timeout " + std::to_string(timeout.count()) + " ms)");
+        }
+        std::vector<zmq::pollitem_t> items;
+        items.push_back({nullptr, waker_.fd(), ZMQ_POLLIN, 0});
+        for (std::size_t s = 0; s < n; ++s)
+          items.push_back(
+              {dealers_[s].handle(), 0, static_cast<short>(ZMQ_POLLIN | (outbox[s].empty() ? 0 : ZMQ_POLLOUT)), 0});
+        // While an answer is due, look for it without sleeping for a moment:
+        // one that comes then is taken without a thread wake-up.
+        // Only calls whose bytes take less than a wake-up to move: a large
+        // transfer would lose the core the spinning takes.
+        int ready = 0;
+        const bool latency_bound = !pending.empty() && std::all_of(pending.begin(), pending.end(), [](const auto& p) {
+          return p.second->bytes <= busy_poll_max_bytes;
+        });
+        if (latency_bound && settings_.busy_poll.count() > 0) {
+          const auto until = clock::now() + settings_.busy_poll;
+          do {
+            ready = detail_zmq::poll(items.data(), items.size(), std::chrono::milliseconds(0));
+          } while (ready == 0 && clock::now() < until);
+        }
+        if (ready == 0)
+          detail_zmq::poll(
+              items.data(), items.size(),
+              std::chrono::milliseconds(detail_zmq::ms_until(std::min(next_beat, now + std::chrono::seconds(1)), now)));
+        if (items[0].revents & ZMQ_POLLIN) waker_.drain();
+        for (std::size_t s = 0; s < n; ++s) {
+          if (!(items[s + 1].revents & ZMQ_POLLIN)) continue;
+          for (int k = 0; k < 256; ++k) {
+            std::vector<zmq::message_t> msg;
+            if (!zmq::recv_multipart(dealers_[s], std::back_inserter(msg), zmq::recv_flags::dontwait)) break;
+            detail_zmq::taken_over();
+            last_heard_[s] = clock::now();
+            if (auto why = on_reply(s, msg, pending, pending_per); !why.empty()) {
+              // The server restarted. What it held will never be answered;
+              // what reached the new one will: each call still waiting gets
+              // the peer timeout (or start_timeout) more, then fails with why.
+              const auto grace =
+                  timeout.count() > 0 ? clock::duration(timeout) : clock::duration(settings_.start_timeout);
+              for (auto& [id, call] : pending)
+                if (call->server == s) {
+                  call->deadline = std::min(call->deadline, clock::now() + grace);
+                  call->deadline_reason = why;
+                }
+            }
+          }
+        }
+      } catch (...) {
+        // Out of memory, or libzmq failing: every waiting call fails with
+        // the reason rather than the thread ending and the calls hanging.
+        std::string what = "an unknown exception";
+        try {
+          throw;
+        } catch (const std::exception& e) {
+          what = e.what();
+        } catch (...) {
+        }
+        for (auto& [id, call] : pending)
+          call->error = std::make_exception_ptr(error("psx: " + worker_name() + ": the I/O thread failed: " + what));
+        pending.clear();
+        std::fill(pending_per.begin(), pending_per.end(), 0);
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      }
+    }
+    // Closing: the chief tells the servers the cluster is done; whatever
+    // waits fails; the sockets get their linger to deliver the last frames.
+    if (worker_index_ == 0u)
+      for (std::size_t s = 0; s < n; ++s) {
+        Outgoing o;
+        o.server = s;
+        o.frames.push_back(
+            detail_zmq::message_of(::psx::detail::wire::encode_signal(::psx::detail::wire::Kind::stop, fingerprint_)));
+        outbox[s].push_back(std::move(o));
+      }
+    for (std::size_t s = 0; s < n; ++s) send_some(s, outbox[s]);
+    const std::string why = "psx: " + worker_name() + ": shut down before the answer came";
+    for (auto& [id, call] : pending) call->error = std::make_exception_ptr(shutdown_error(why));
+    pending.clear();
+    outbox.clear();
+    for (auto& d : dealers_) d.close();
+  }
+
+  void send_some(std::size_t s, std::deque<Outgoing>& box) {
+    while (!box.empty()) {
+      auto& frames = box.front().frames;
+      detail_zmq::handing_over();
+      if (!dealers_[s].send(frames[0], frames.size() > 1 ? zmq::send_flags::dontwait | zmq::send_flags::sndmore
+                                                         : zmq::send_flags::dontwait))
+        return;
+      for (std::size_t k = 1; k < frames.size(); ++k)
+        dealers_[s].send(frames[k], k + 1 < frames.size() ? zmq::send_flags::sndmore : zmq::send_flags::none);
+      box.pop_front();
+    }
+  }
+
+  // Handles one message from server `s`; returns why every call waiting on
+  // it must fail when there is such a reason (the server restarted).
+  std::string on_reply(std::size_t s, std::vector<zmq::message_t>& msg,
+                       std::unordered_map<std::uint64_t, std::shared_ptr<WorkerCall>>& pending,
+                       std::vector<std::size_t>& pending_per) {
+    if (msg.empty()) return {};
+    const auto head = detail_zmq::bytes_of(msg[0]);
+    const std::string where = worker_name() + ": an answer from " + server_name(s);
+    ::psx::detail::wire::ReplyHead rh;
+    try {
+      const auto p = ::psx::detail::wire::read_prefix(head, where);
+      if (p.kind == ::psx::detail::wire::Kind::pong || p.kind == ::psx::detail::wire::Kind::welcome) {
+        const std::uint64_t incarnation = ::psx::detail::wire::decode_signal(head, where);
+        if (incarnation == incarnations_[s]) return {};
+        incarnations_[s] = incarnation;
+        return "psx: " + worker_name() + ": " + server_name(s) +
+               " restarted; the requests it held are lost (a restarted server starts from its initializers)";
+      }
+      if (p.kind == ::psx::detail::wire::Kind::refuse) {
+        // A server that restarted with other declarations, or another version.
+        const std::string why = ::psx::detail::wire::decode_refuse(head, where);
+        for (auto it = pending.begin(); it != pending.end();) {
+          if (it->second->server == s) {
+            it->second->error =
+                ::psx::detail::wire::exception_of(static_cast<::psx::detail::wire::Status>(p.byte7), why);
+            it = pending.erase(it);
+          } else {
+            ++it;
+          }
+        }
+        pending_per[s] = 0;
+        return {};
+      }
+      rh = ::psx::detail::wire::decode_reply_head(head, where);
+    } catch (const wire_error&) {
+      // The call it answers fails with the reason, when its id can be read.
+      if (head.size() >= 16) {
+        auto it = pending.find(::psx::detail::wire::get<std::uint64_t>(head, 8));
+        if (it != pending.end() && it->second->server == s) {
+          it->second->error = std::current_exception();
+          pending.erase(it);
+          --pending_per[s];
+        }
+      }
+      return {};
+    }
+    auto it = pending.find(rh.call);
+    if (it == pending.end() || it->second->server != s) return {};  // late answer to a call that timed out
+    auto call = std::move(it->second);
+    pending.erase(it);
+    --pending_per[s];
+    if (rh.status != ::psx::detail::wire::Status::ok) {
+      call->error = ::psx::detail::wire::exception_of(rh.status, rh.text);
+      return {};
+    }
+    try {
+      std::vector<::psx::detail::wire::OutSpec> outs;
+      for (const auto& o : call->outs)
+        if (o.kind != ::psx::detail::wire::OutKind::none) outs.push_back({o.kind, o.count});
+      if (rh.tensors != outs.size())
+        throw wire_error("psx: " + where + " carries " + std::to_string(rh.tensors) + " tensors, expected " +
+                         std::to_string(outs.size()));
+      std::vector<std::span<const std::byte>> spans;
+      for (const auto& m : msg) spans.push_back(detail_zmq::bytes_of(m));
+      ::psx::detail::wire::check_reply_tensors(spans, outs, rh.chunk, where);
+      std::size_t f = 1;
+      for (const auto& o : call->outs) {
+        if (o.kind == ::psx::detail::wire::OutKind::none) continue;
+        const std::size_t bytes = o.count * o.elem;
+        const std::size_t frames = static_cast<std::size_t>(::psx::detail::wire::chunks(bytes, rh.chunk));
+        if (o.positions.empty()) {
+          for (std::size_t at = 0; at < bytes; ++f) {
+            std::memcpy(o.dst + at, spans[f].data(), spans[f].size());
+            at += spans[f].size();
+          }
+          continue;
+        }
+        // Rows of several servers: scatter this server's rows to where the
+        // caller's ids put them.
+        std::vector<std::byte> joined;
+        const std::byte* src = spans[f].data();
+        if (frames > 1) {
+          joined.resize(bytes);
+          for (std::size_t at = 0, k = 0; k < frames; ++k) {
+            std::memcpy(joined.data() + at, spans[f + k].data(), spans[f + k].size());
+            at += spans[f + k].size();
+          }
+          src = joined.data();
+        }
+        f += frames;
+        const std::size_t row = o.width * o.elem;
+        for (std::size_t j = 0; j < o.positions.size(); ++j)
+          std::memcpy(o.dst + std::size_t{o.positions[j]} * row, src + j * row, row);
+      }
+    } catch (const wire_error&) {
+      call->error = std::current_exception();
+    }
+    return {};
+  }
+
+  Zmq settings_;
+  TransportContext ctx_;
+  std::uint64_t fingerprint_;
+  zmq::context_t zctx_;
+  std::optional<std::size_t> server_index_;
+  std::optional<std::size_t> worker_index_;
+  // server side
+  zmq::socket_t router_;
+  zmq::socket_t zap_socket_;
+  std::thread zap_;
+  std::atomic<std::uint64_t> zap_denied_{0};
+  // Sent in welcomes and pongs: a worker that sees another value knows the
+  // server restarted and that the requests it had are gone.
+  const std::uint64_t incarnation_ = ::psx::detail::mix64(
+      std::random_device{}() ^ static_cast<std::uint64_t>(clock::now().time_since_epoch().count()));
+  std::string bound_;
+  // worker side
+  std::vector<std::string> endpoints_;
+  std::vector<zmq::socket_t> dealers_;
+  std::vector<clock::time_point> last_heard_;
+  std::vector<std::uint64_t> incarnations_;  // each server's, from its welcome
+  std::thread io_;
+  std::atomic<std::uint64_t> next_call_{0};
+  // shared
+  detail_zmq::Waker waker_;
+  std::mutex mu_;
+  std::condition_variable stopped_cv_;
+  std::deque<Outgoing> queue_;
+  bool closing_ = false;
+  bool served_ = false;
+  std::string stop_reason_;
+};
+
+inline std::unique_ptr<Zmq::link_type> Zmq::connect(const TransportContext& ctx) const {
+  return std::make_unique<link_type>(*this, ctx);
+}
+
+static_assert(Transport<Zmq>);
+
+}  // namespace transport
+}  // namespace v0
+}  // namespace psx

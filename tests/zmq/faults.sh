@@ -1,0 +1,97 @@
+#!/usr/bin/env bash
+# Fault tests of the ZeroMQ transport with real processes: a cluster of one ps
+# and three workers (chief + 2) training synchronously with a 1 s peer
+# timeout; one process is killed or stopped, and every other process must end
+# in the documented outcome within the timeout (docs/distributed.md, Faults).
+#
+#   faults.sh NODE     (NODE: the psx_zmq_node binary)
+set -u
+node=$1
+work=$(mktemp -d)
+pids=()
+cleanup() {
+  for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null; kill -CONT "$p" 2>/dev/null; done
+  rm -rf "$work"
+}
+trap cleanup EXIT
+failures=0
+fail() { echo "FAIL: $*"; failures=$((failures + 1)); }
+
+cluster='{"chief":["127.0.0.1:0"],"worker":["127.0.0.1:0","127.0.0.1:0"],"ps":["127.0.0.1:0"]}'
+args=(--steps 1000000 --pause-ms 10 --peer-timeout-ms 1000)
+
+# start NAME TYPE INDEX: starts a task in the background, output in $work/NAME.log.
+start() {
+  local name=$1 type=$2 index=$3
+  TF_CONFIG="{\"cluster\":$cluster,\"task\":{\"type\":\"$type\",\"index\":$index}}" \
+    PSX_RENDEZVOUS="$work/rv" "$node" "${args[@]}" >"$work/$name.log" 2>&1 &
+  pids+=($!)
+  eval "pid_$name=$!"
+}
+# No "Killed" notices from bash for the processes the scenarios kill.
+set +m
+
+# wait_exit PID SECONDS: sets $status to the exit status, or 124 when the
+# process still runs after SECONDS (not in a subshell: only this shell can
+# wait for its children).
+wait_exit() {
+  local pid=$1 limit=$2 waited=0
+  while [ "$(ps -o stat= -p "$pid" 2>/dev/null | cut -c1)" != Z ] && kill -0 "$pid" 2>/dev/null; do
+    sleep 0.1
+    waited=$((waited + 1))
+    if [ "$waited" -ge $((limit * 10)) ]; then status=124; return; fi
+  done
+  wait "$pid" 2>/dev/null
+  status=$?
+}
+
+# expect NAME STATUS PATTERN: NAME exited with STATUS and its log matches PATTERN.
+expect() {
+  local name=$1 want=$2 pattern=$3 pid got
+  eval "pid=\$pid_$name"
+  wait_exit "$pid" 15
+  got=$status
+  if [ "$got" != "$want" ]; then
+    fail "$scenario: $name exited with $got, expected $want"; sed 's/^/    /' "$work/$name.log"
+  elif ! grep -q -- "$pattern" "$work/$name.log"; then
+    fail "$scenario: $name's output lacks '$pattern'"; sed 's/^/    /' "$work/$name.log"
+  else
+    echo "ok: $scenario: $name exited $got: $(grep -m1 -- "$pattern" "$work/$name.log")"
+  fi
+}
+
+launch_all() {
+  pids=()
+  rm -rf "$work/rv"; mkdir -p "$work/rv"
+  start ps ps 0
+  start chief chief 0
+  start w1 worker 0
+  start w2 worker 1
+  sleep 1.5  # training is under way
+}
+
+scenario="SIGKILL a worker"
+launch_all
+kill -9 "$pid_w2"
+expect chief 3 "worker 2 was lost (sent nothing for"
+expect w1 3 "worker 2 was lost (sent nothing for"
+expect ps 0 "ps 0: done"
+
+scenario="SIGKILL the server"
+launch_all
+kill -9 "$pid_ps"
+expect chief 3 "ps task 0 (tcp://127.0.0.1:[0-9]*) sent nothing for"
+expect w1 3 "ps task 0 (tcp://127.0.0.1:[0-9]*) sent nothing for"
+expect w2 3 "ps task 0 (tcp://127.0.0.1:[0-9]*) sent nothing for"
+
+scenario="SIGSTOP a worker"
+launch_all
+kill -STOP "$pid_w2"
+expect chief 3 "worker 2 was lost (sent nothing for"
+expect w1 3 "worker 2 was lost (sent nothing for"
+expect ps 0 "ps 0: done"
+kill -CONT "$pid_w2"
+expect w2 3 "psx error"
+
+if [ "$failures" -ne 0 ]; then echo "$failures fault checks failed"; exit 1; fi
+echo "all fault checks passed"

@@ -1,0 +1,562 @@
+// psx::transport::Zmq with every task of the cluster as a thread of this
+// process, each with its own ZeroMQ context and sockets over tcp or ipc: the
+// same code paths as separate processes (tests/zmq/node.cpp runs those).
+#include "../support.hpp"
+#include "program.hpp"
+
+#include <psx/psx.hpp>
+#include <psx/transport/zmq.hpp>
+
+#include <doctest/doctest.h>
+
+#include <zmq.hpp>
+#include <zmq_addon.hpp>
+
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace {
+
+namespace fs = std::filesystem;
+using psx::transport::ClusterSpec;
+using psx::transport::TfConfig;
+using psx::transport::Zmq;
+
+struct TempDir {
+  fs::path path;
+  TempDir() {
+    std::string pattern = (fs::temp_directory_path() / "psx-zmq-XXXXXX").string();
+    REQUIRE(::mkdtemp(pattern.data()) != nullptr);
+    path = pattern;
+  }
+  ~TempDir() {
+    std::error_code ec;
+    fs::remove_all(path, ec);
+  }
+};
+
+// A cluster of `ps` servers and `workers` workers (the first the chief):
+// tcp on loopback with ephemeral ports, or ipc in `dir`.
+ClusterSpec spec(std::size_t ps, std::size_t workers, bool ipc, const fs::path& dir) {
+  ClusterSpec c;
+  for (std::size_t s = 0; s < ps; ++s)
+    c.ps.push_back(ipc ? "ipc://" + (dir / ("ps-sock-" + std::to_string(s))).string() : "127.0.0.1:0");
+  for (std::size_t w = 0; w < workers; ++w) {
+    const std::string a = ipc ? "ipc://" + (dir / ("worker-sock-" + std::to_string(w))).string() : "127.0.0.1:0";
+    (w == 0 ? c.chief : c.worker).push_back(a);
+  }
+  return c;
+}
+
+Zmq settings(const ClusterSpec& c, std::string type, std::size_t index, const fs::path& dir) {
+  Zmq z;
+  z.tf.cluster = c;
+  z.tf.task = {std::move(type), index};
+  z.rendezvous = dir.string();
+  z.start_timeout = std::chrono::milliseconds(20000);
+  return z;
+}
+
+template <class P, class S, class O>
+using ZmqCluster = psx::ParameterServer<P, S, O, Zmq>;
+
+// Runs every task on a thread; the chief reads the variables at the end.
+// Returns what the chief read; rethrows the first task's exception.
+template <class P = psx::partition::RowRange, class S = psx::sync::Synchronous, class O = psx::optim::SGD>
+std::map<std::string, std::vector<float>> run_tasks(std::size_t ps, std::size_t workers, bool ipc,
+                                                    std::function<void(Zmq&)> adjust = {}) {
+  TempDir dir;
+  const ClusterSpec c = spec(ps, workers, ipc, dir.path);
+  psx::ClusterConfig config{ps, workers, std::chrono::milliseconds(20000)};
+  std::map<std::string, std::vector<float>> result;
+  std::mutex mu;
+  std::exception_ptr first;
+  std::vector<std::thread> tasks;
+  auto task = [&](std::string type, std::size_t index) {
+    try {
+      Zmq z = settings(c, type, index, dir.path);
+      if (adjust) adjust(z);
+      ZmqCluster<P, S, O> cluster(config, {}, {}, O{0.05f}, z);
+      psx_zmq_test::declare(cluster);
+      cluster.run(psx_zmq_test::train);
+      if (type == "chief") {
+        auto values = psx_zmq_test::read_all(cluster);
+        std::lock_guard lock(mu);
+        result = std::move(values);
+      }
+    } catch (...) {
+      std::lock_guard lock(mu);
+      if (!first) first = std::current_exception();
+    }
+  };
+  for (std::size_t s = 0; s < ps; ++s) tasks.emplace_back(task, "ps", s);
+  tasks.emplace_back(task, "chief", 0);
+  for (std::size_t w = 1; w < workers; ++w) tasks.emplace_back(task, "worker", w - 1);
+  for (auto& t : tasks) t.join();
+  if (first) std::rethrow_exception(first);
+  return result;
+}
+
+std::map<std::string, std::vector<float>> run_inprocess(std::size_t ps, std::size_t workers) {
+  psx::ParameterServer<psx::partition::RowRange, psx::sync::Synchronous, psx::optim::SGD> cluster(
+      psx::ClusterConfig{ps, workers}, {}, {}, psx::optim::SGD{0.05f});
+  psx_zmq_test::declare(cluster);
+  cluster.run(psx_zmq_test::train);
+  return psx_zmq_test::read_all(cluster);
+}
+
+void check_bit_identical(const std::map<std::string, std::vector<float>>& a,
+                         const std::map<std::string, std::vector<float>>& b) {
+  REQUIRE(a.size() == b.size());
+  for (const auto& [name, values] : a) {
+    INFO("variable " << name);
+    REQUIRE(b.at(name).size() == values.size());
+    CHECK(std::memcmp(values.data(), b.at(name).data(), values.size() * sizeof(float)) == 0);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("zmq: synchronous training over tcp equals the in-process cluster bit for bit") {
+  psx_test::Watchdog dog("zmq tcp training", std::chrono::seconds(120));
+  const auto zmq = run_tasks(2, 4, false);
+  const auto local = run_inprocess(2, 4);
+  check_bit_identical(zmq, local);
+  // And training moved the parameters at all.
+  CHECK(zmq.at("b")[0] != 0.5f);
+}
+
+TEST_CASE("zmq: the same over ipc, with tensors split into 1000-byte chunks") {
+  psx_test::Watchdog dog("zmq ipc training", std::chrono::seconds(120));
+  const auto zmq = run_tasks(2, 3, true, [](Zmq& z) { z.chunk_bytes = 1000; });
+  check_bit_identical(zmq, run_inprocess(2, 3));
+}
+TEST_CASE("zmq: a peer that never appears is named in the timeout error") {
+  psx_test::Watchdog dog("zmq start timeout");
+  TempDir dir;
+  // A port nobody listens on: bind a socket, note its port, close it.
+  std::string endpoint;
+  {
+    zmq::context_t ctx;
+    zmq::socket_t s(ctx, zmq::socket_type::router);
+    s.bind("tcp://127.0.0.1:0");
+    endpoint = s.get(zmq::sockopt::last_endpoint);
+  }
+  ClusterSpec c;
+  c.ps = {endpoint.substr(6)};
+  c.chief = {"127.0.0.1:0"};
+  Zmq z = settings(c, "chief", 0, dir.path);
+  z.start_timeout = std::chrono::milliseconds(300);
+  ZmqCluster<psx::partition::HashByName, psx::sync::Synchronous, psx::optim::SGD> cluster({1, 1}, {}, {}, {}, z);
+  psx_zmq_test::declare(cluster);
+  CHECK(psx_test::message_of<psx::peer_lost>([&] { cluster.start(); }) ==
+        "psx: worker 0: no answer within 300 ms (start_timeout) from ps task 0 (" + endpoint + ")");
+}
+
+TEST_CASE("zmq: an address in use is named") {
+  zmq::context_t ctx;
+  zmq::socket_t taken(ctx, zmq::socket_type::router);
+  taken.bind("tcp://127.0.0.1:0");
+  const std::string endpoint = taken.get(zmq::sockopt::last_endpoint);
+  TempDir dir;
+  ClusterSpec c;
+  c.ps = {endpoint.substr(6)};
+  c.chief = {"127.0.0.1:0"};
+  ZmqCluster<psx::partition::HashByName, psx::sync::Synchronous, psx::optim::SGD> cluster(
+      {1, 1}, {}, {}, {}, settings(c, "ps", 0, dir.path));
+  psx_zmq_test::declare(cluster);
+  CHECK(psx_test::message_of<psx::config_error>([&] { cluster.start(); }) ==
+        "psx: ps task 0 cannot bind " + endpoint + ": Address already in use");
+}
+
+TEST_CASE("zmq: the cluster spec must match ClusterConfig") {
+  TempDir dir;
+  ZmqCluster<psx::partition::HashByName, psx::sync::Synchronous, psx::optim::SGD> cluster(
+      {2, 1}, {}, {}, {}, settings(spec(1, 1, false, dir.path), "ps", 0, dir.path));
+  CHECK(psx_test::message_of<psx::config_error>([&] { cluster.start(); }) ==
+        "psx: the cluster spec has 1 ps and 1 workers (chief included), ClusterConfig says 2 servers and 1 workers");
+}
+
+namespace {
+
+namespace wire = psx::detail::wire;
+
+// Runs a ps task on a thread for a test body that plays the workers itself;
+// `stats` is read when the server has stopped.
+template <class Declare>
+struct ServerThread {
+  psx::ServerStats stats;
+  std::exception_ptr error;
+  std::thread thread;
+  ServerThread(const ClusterSpec& c, const fs::path& dir, std::size_t workers, Declare declare,
+               std::function<void(Zmq&)> adjust = {}) {
+    thread = std::thread([=, this] {
+      try {
+        Zmq z = settings(c, "ps", 0, dir);
+        if (adjust) adjust(z);
+        ZmqCluster<psx::partition::HashByName, psx::sync::Synchronous, psx::optim::SGD> ps(
+            {1, workers, std::chrono::milliseconds(1000)}, {}, {}, psx::optim::SGD{0.05f}, z);
+        declare(ps);
+        try {
+          ps.run([](psx::Worker&) {});
+        } catch (const psx::peer_lost&) {  // a fuzzed message may have made the chief look lost
+        }
+        stats = ps.stats();
+      } catch (...) {
+        error = std::current_exception();
+      }
+    });
+  }
+  ~ServerThread() {
+    if (thread.joinable()) thread.join();
+  }
+};
+
+std::string published_endpoint(const fs::path& dir) {
+  for (int k = 0; k < 2000; ++k) {
+    std::ifstream in(dir / "ps-0");
+    std::string e;
+    if (in && std::getline(in, e) && !e.empty()) return e;
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  FAIL("the server never published its endpoint");
+  return {};
+}
+
+template <class PS>
+void declare_fuzz(PS& ps) {
+  ps.declare({.name = "w", .shape = {1000}, .init = psx::Initializer::uniform(-1.0f, 1.0f, 1)});
+  ps.declare({.name = "emb", .shape = {500, 8}, .kind = psx::VariableKind::sparse,
+              .init = psx::Initializer::normal(0.0f, 1.0f, 2)});
+  ps.declare({.name = "frozen", .shape = {777}, .init = psx::Initializer::constant(3.0f), .trainable = false});
+}
+
+std::vector<zmq::message_t> frames_of(const std::vector<std::byte>& header, const std::vector<wire::Segment>& segs) {
+  std::vector<zmq::message_t> out;
+  out.emplace_back(header.data(), header.size());
+  for (const auto& s : segs) out.emplace_back(s.data, s.size);
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("zmq: thousands of random and mutated messages: the server survives, counts them, changes nothing") {
+  psx_test::Watchdog dog("zmq bad input", std::chrono::seconds(120));
+  TempDir dir;
+  const ClusterSpec c = spec(1, 1, false, dir.path);
+  ServerThread server(c, dir.path, 1, [](auto& ps) { declare_fuzz(ps); });
+  std::map<std::string, std::vector<float>> before, after;
+  std::uint64_t fingerprint = 0;
+  const int messages = 5000;
+  {
+    ZmqCluster<psx::partition::HashByName, psx::sync::Synchronous, psx::optim::SGD> chief(
+        {1, 1, std::chrono::milliseconds(1000)}, {}, {}, psx::optim::SGD{0.05f}, settings(c, "chief", 0, dir.path));
+    declare_fuzz(chief);
+    chief.run([](psx::Worker&) {});
+    for (const char* n : {"w", "emb", "frozen"}) before[n] = chief.read(n);
+    fingerprint = wire::fingerprint(1, 1, chief.variables());
+
+    // Templates: every kind of message a worker sends, well formed.
+    std::vector<float> out(4000), grad(777, 1.0f);
+    std::vector<std::uint64_t> ids = {0, 7, 499};
+    std::vector<std::pair<std::vector<std::byte>, std::vector<wire::Segment>>> templates;
+    auto add = [&](psx::Op op, std::vector<psx::Item> items, std::uint64_t call) {
+      psx::Request r;
+      r.op = op;
+      r.worker = 0;
+      r.items = std::move(items);
+      std::vector<wire::Segment> segs;
+      auto h = wire::encode_request(r, {call, fingerprint, 64}, segs);
+      templates.emplace_back(std::move(h), std::move(segs));
+    };
+    psx::Item read_w;
+    read_w.variable = 0;
+    read_w.out = std::span<float>(out).first(1000);
+    add(psx::Op::read, {read_w}, 1);
+    psx::Item rows;
+    rows.variable = 1;
+    rows.ids = ids;
+    rows.out = std::span<float>(out).first(24);
+    add(psx::Op::pull_rows, {rows}, 2);
+    psx::Item push_frozen;
+    push_frozen.variable = 2;
+    push_frozen.in = grad;
+    add(psx::Op::push, {push_frozen}, 3);
+    add(psx::Op::heartbeat, {}, 0);
+    templates.emplace_back(wire::encode_hello({fingerprint, 0, 1, 1}), std::vector<wire::Segment>{});
+
+    zmq::context_t ctx;
+    zmq::socket_t raw(ctx, zmq::socket_type::dealer);
+    raw.set(zmq::sockopt::linger, 0);
+    raw.connect(published_endpoint(dir.path));
+    std::mt19937_64 rng(20261130);
+    for (int k = 0; k < messages; ++k) {
+      std::vector<zmq::message_t> msg;
+      const auto& [h, segs] = templates[rng() % templates.size()];
+      switch (rng() % 6) {
+        case 0: {  // random bytes, sometimes behind a valid prefix
+          std::vector<std::byte> junk(rng() % 200);
+          for (auto& b : junk) b = static_cast<std::byte>(rng());
+          if (junk.size() >= 8 && rng() % 2) std::memcpy(junk.data(), h.data(), 8);
+          msg.emplace_back(junk.data(), junk.size());
+          break;
+        }
+        case 1: {  // a header truncated
+          msg.emplace_back(h.data(), rng() % h.size());
+          break;
+        }
+        case 2: {  // frames missing or added
+          msg = frames_of(h, segs);
+          if (msg.size() > 1 && rng() % 2) msg.pop_back();
+          else msg.emplace_back(static_cast<std::size_t>(rng() % 100));
+          break;
+        }
+        default: {  // one to four bytes of the header changed
+          auto m = h;
+          for (int f = 0, n = 1 + static_cast<int>(rng() % 4); f < n; ++f)
+            m[rng() % m.size()] = static_cast<std::byte>(rng());
+          msg = frames_of(m, segs);
+        }
+      }
+      zmq::send_multipart(raw, msg);
+    }
+    // The server answers one connection in order: when this read's answer
+    // comes, every message above has been handled.
+    {
+      psx::Request r;
+      r.op = psx::Op::read;
+      r.items = {read_w};
+      std::vector<wire::Segment> segs;
+      zmq::send_multipart(raw, frames_of(wire::encode_request(r, {424242, fingerprint, 64}, segs), segs));
+      bool answered = false;
+      while (!answered) {
+        std::vector<zmq::message_t> reply;
+        std::vector<zmq::pollitem_t> items{{raw.handle(), 0, ZMQ_POLLIN, 0}};
+        REQUIRE(zmq::poll(items, std::chrono::milliseconds(20000)) == 1);
+        (void)zmq::recv_multipart(raw, std::back_inserter(reply));
+        const auto head = std::span<const std::byte>(static_cast<const std::byte*>(reply[0].data()), reply[0].size());
+        if (head.size() >= 16 && head[6] == std::byte{5} && wire::get<std::uint64_t>(head, 8) == 424242) {
+          REQUIRE(head[7] == std::byte{0});
+          answered = true;
+        }
+      }
+    }
+    for (const char* n : {"w", "emb", "frozen"}) after[n] = chief.read(n);
+  }
+  server.thread.join();
+  REQUIRE_FALSE(server.error);
+  check_bit_identical(before, after);
+  INFO("rejected " << server.stats.rejected << ", errors " << server.stats.errors);
+  // Most messages are malformed; the well-formed rest is answered (pushes to
+  // the frozen variable with errors).
+  CHECK(server.stats.rejected + server.stats.errors >= messages / 2);
+  CHECK(server.stats.rejected > 0);
+}
+
+TEST_CASE("zmq: a peer of another wire version is refused at the handshake, naming both versions") {
+  psx_test::Watchdog dog("zmq version refusal");
+  TempDir dir;
+  const ClusterSpec c = spec(1, 1, false, dir.path);
+  SUBCASE("a worker from the future says hello to this server") {
+    ServerThread server(c, dir.path, 1, [](auto& ps) { declare_fuzz(ps); });
+    zmq::context_t ctx;
+    zmq::socket_t raw(ctx, zmq::socket_type::dealer);
+    raw.set(zmq::sockopt::linger, 0);
+    raw.connect(published_endpoint(dir.path));
+    auto hello = wire::encode_hello({1, 0, 1, 1});
+    hello[4] = std::byte{2};  // version 2
+    raw.send(zmq::buffer(hello));
+    std::vector<zmq::message_t> reply;
+    (void)zmq::recv_multipart(raw, std::back_inserter(reply));
+    const auto head = std::span<const std::byte>(static_cast<const std::byte*>(reply[0].data()), reply[0].size());
+    const auto p = wire::read_prefix(head, "test");
+    CHECK(p.kind == wire::Kind::refuse);
+    CHECK(wire::decode_refuse(head, "test") ==
+          "psx: ps task 0 speaks psx wire version 1, the peer psx wire version 2: build every process with the same psx");
+    // Let the server go: a chief that joins, leaves and stops it.
+    ZmqCluster<psx::partition::HashByName, psx::sync::Synchronous, psx::optim::SGD> chief(
+        {1, 1, std::chrono::milliseconds(1000)}, {}, {}, {}, settings(c, "chief", 0, dir.path));
+    declare_fuzz(chief);
+    chief.run([](psx::Worker&) {});
+  }
+  SUBCASE("a server from the future welcomes this worker") {
+    zmq::context_t ctx;
+    zmq::socket_t fake(ctx, zmq::socket_type::router);
+    fake.bind("tcp://127.0.0.1:0");
+    const std::string endpoint = fake.get(zmq::sockopt::last_endpoint);
+    std::thread answer([&] {
+      std::vector<zmq::message_t> hello;
+      (void)zmq::recv_multipart(fake, std::back_inserter(hello));
+      auto welcome = wire::encode_signal(wire::Kind::welcome, 0);
+      welcome[4] = std::byte{2};
+      std::vector<zmq::message_t> reply;
+      reply.push_back(std::move(hello[0]));
+      reply.emplace_back(welcome.data(), welcome.size());
+      zmq::send_multipart(fake, reply);
+    });
+    ClusterSpec one;
+    one.ps = {endpoint.substr(6)};
+    one.chief = {"127.0.0.1:0"};
+    ZmqCluster<psx::partition::HashByName, psx::sync::Synchronous, psx::optim::SGD> chief(
+        {1, 1}, {}, {}, {}, settings(one, "chief", 0, dir.path));
+    declare_fuzz(chief);
+    CHECK(psx_test::message_of<psx::wire_error>([&] { chief.start(); }) ==
+          "psx: worker 0: ps task 0 (" + endpoint + ") speaks psx wire version 2, this worker psx wire version 1");
+    answer.join();
+  }
+}
+
+TEST_CASE("zmq: CURVE: an allowed client trains, a client not on the list changes nothing and is counted") {
+  psx_test::Watchdog dog("zmq curve", std::chrono::seconds(120));
+  TempDir dir;
+  const ClusterSpec c = spec(1, 1, false, dir.path);
+  const auto [server_pub, server_sec] = psx::transport::Curve::keypair();
+  const auto [good_pub, good_sec] = psx::transport::Curve::keypair();
+  const auto [bad_pub, bad_sec] = psx::transport::Curve::keypair();
+  ServerThread server(
+      c, dir.path, 1, [](auto& ps) { declare_fuzz(ps); },
+      [&](Zmq& z) {
+        z.curve.server_public_key = server_pub;
+        z.curve.server_secret_key = server_sec;
+        z.curve.allowed_clients = {good_pub};
+      });
+  auto client = [&](const std::string& pub, const std::string& sec) {
+    Zmq z = settings(c, "chief", 0, dir.path);
+    z.curve.server_public_key = server_pub;
+    z.curve.client_public_key = pub;
+    z.curve.client_secret_key = sec;
+    z.start_timeout = std::chrono::milliseconds(500);
+    return z;
+  };
+  {
+    ZmqCluster<psx::partition::HashByName, psx::sync::Synchronous, psx::optim::SGD> intruder(
+        {1, 1}, {}, {}, {}, client(bad_pub, bad_sec));
+    declare_fuzz(intruder);
+    CHECK(psx_test::message_of<psx::peer_lost>([&] { intruder.start(); }).find("no answer within 500 ms") !=
+          std::string::npos);
+  }
+  std::vector<float> w;
+  {
+    ZmqCluster<psx::partition::HashByName, psx::sync::Synchronous, psx::optim::SGD> chief(
+        {1, 1}, {}, {}, {}, client(good_pub, good_sec));
+    declare_fuzz(chief);
+    const auto w0 = chief.read("w");
+    chief.run([](psx::Worker& worker) {
+      std::vector<float> g(1000, 1.0f);
+      worker.push("w", g);
+      worker.step();
+    });
+    w = chief.read("w");
+    // The server applies its own optimizer (SGD with lr 0.05), not the chief's.
+    CHECK(w[0] == doctest::Approx(w0[0] - 0.05f));
+  }
+  server.thread.join();
+  REQUIRE_FALSE(server.error);
+  CHECK(server.stats.rejected >= 1);
+}
+
+TEST_CASE("zmq: a server restarted on the same endpoint is reconnected to") {
+  psx_test::Watchdog dog("zmq restart", std::chrono::seconds(120));
+  TempDir dir;
+  // A fixed port both server incarnations bind: take a free one from the system.
+  std::string endpoint;
+  {
+    zmq::context_t ctx;
+    zmq::socket_t s(ctx, zmq::socket_type::router);
+    s.bind("tcp://127.0.0.1:0");
+    endpoint = s.get(zmq::sockopt::last_endpoint);
+  }
+  ClusterSpec c;
+  c.ps = {endpoint.substr(6)};
+  c.chief = {"127.0.0.1:0"};
+  using Async = ZmqCluster<psx::partition::HashByName, psx::sync::Asynchronous, psx::optim::SGD>;
+  // A server on its own thread, up until told to go; it shuts itself down
+  // (no other thread may touch it while it is destroyed).
+  struct Incarnation {
+    std::atomic<bool> up{false}, down{false};
+    std::thread thread;
+  };
+  auto launch = [&](float lr, Incarnation& inc) {
+    inc.thread = std::thread([&c, &dir, lr, &inc] {
+      Async ps({1, 1, std::chrono::milliseconds(2000)}, {}, {}, psx::optim::SGD{lr}, settings(c, "ps", 0, dir.path));
+      declare_fuzz(ps);
+      ps.start();
+      inc.up = true;
+      while (!inc.down) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      ps.shutdown();
+    });
+  };
+  Incarnation first, second;
+  launch(0.5f, first);
+  Async chief({1, 1, std::chrono::milliseconds(2000)}, {}, {}, {}, settings(c, "chief", 0, dir.path));
+  declare_fuzz(chief);
+  psx::Worker w = chief.worker(0);
+  std::vector<float> g(1000, 1.0f), v(1000);
+  w.pull("w", v);
+  const float initial = v[0];
+  w.push("w", g);
+  w.pull("w", v);
+  CHECK(v[0] == doctest::Approx(initial - 0.5f));
+  // The first server goes away; a second one comes up on the same endpoint.
+  first.down = true;
+  first.thread.join();
+  launch(0.25f, second);
+  // The worker's next calls reach the new server (which starts from the
+  // initializers: restoring state is what checkpoints are for).
+  w.pull("w", v);
+  CHECK(v[0] == initial);
+  w.push("w", g);
+  w.pull("w", v);
+  CHECK(v[0] == doctest::Approx(initial - 0.25f));
+  w.leave();
+  chief.shutdown();
+  second.down = true;
+  second.thread.join();
+}
+
+TEST_CASE("wire: sizes whose frame arithmetic would overflow are refused before anything is allocated") {
+  // A push_rows item of one id whose gradient count claims 2^62 - 1 floats:
+  // 2^64 - 4 bytes, which must not wrap into "no frames needed".
+  std::vector<std::uint64_t> ids = {3};
+  psx::Request r;
+  r.op = psx::Op::push_rows;
+  psx::Item item;
+  item.variable = 1;
+  item.ids = ids;
+  r.items.push_back(item);
+  std::vector<wire::Segment> segs;
+  auto h = wire::encode_request(r, {1, 2, 64}, segs);
+  wire::put(h, wire::request_fixed_bytes + 16, (std::uint64_t{1} << 62) - 1);
+  std::vector<std::span<const std::byte>> frames = {h, std::as_bytes(std::span(ids))};
+  CHECK(psx_test::message_of<psx::wire_error>([&] { (void)wire::decode_request(frames, {}, "test"); }) ==
+        "psx: test, item 0: a 18446744073709551612-byte tensor, but only 0 bytes follow");
+  // Ids that claim more than what follows.
+  wire::put(h, wire::request_fixed_bytes + 16, std::uint64_t{0});
+  wire::put(h, wire::request_fixed_bytes + 8, std::uint64_t{1} << 61);
+  CHECK(psx_test::message_of<psx::wire_error>([&] { (void)wire::decode_request(frames, {}, "test"); }) ==
+        "psx: test, item 0: a size overflows 64 bits (2305843009213693952 x 8)");
+  wire::put(h, wire::request_fixed_bytes + 8, std::uint64_t{1} << 40);
+  CHECK(psx_test::message_of<psx::wire_error>([&] { (void)wire::decode_request(frames, {}, "test"); }) ==
+        "psx: test, item 0: a 8796093022208-byte tensor, but only 8 bytes follow");
+}
+
+TEST_CASE("wire: a failure reason longer than a receiver takes is cut, not refused") {
+  psx::Request r;
+  r.op = psx::Op::fail;
+  r.reason = std::string(100000, 'x');
+  std::vector<wire::Segment> segs;
+  const auto h = wire::encode_request(r, {0, 2, 64}, segs);
+  std::vector<std::span<const std::byte>> frames = {h};
+  CHECK(wire::decode_request(frames, {}, "test").request.reason == std::string(wire::Limits{}.max_text_bytes, 'x'));
+}
