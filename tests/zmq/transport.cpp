@@ -59,6 +59,23 @@ ClusterSpec spec(std::size_t ps, std::size_t workers, bool ipc, const fs::path& 
   return c;
 }
 
+// A tcp endpoint on loopback that nothing listens on now: the system's pick
+// for a socket that is closed again at once.
+std::string free_endpoint() {
+  zmq::context_t ctx;
+  zmq::socket_t s(ctx, zmq::socket_type::router);
+  s.bind("tcp://127.0.0.1:0");
+  return s.get(zmq::sockopt::last_endpoint);
+}
+
+// One server at `endpoint` ("tcp://host:port") and a chief.
+ClusterSpec one_server_at(const std::string& endpoint) {
+  ClusterSpec c;
+  c.ps = {endpoint.substr(6)};
+  c.chief = {"127.0.0.1:0"};
+  return c;
+}
+
 Zmq settings(const ClusterSpec& c, std::string type, std::size_t index, const fs::path& dir) {
   Zmq z;
   z.tf.cluster = c;
@@ -145,17 +162,9 @@ TEST_CASE("zmq: the same over ipc, with tensors split into 1000-byte chunks") {
 TEST_CASE("zmq: a peer that never appears is named in the timeout error") {
   psx_test::Watchdog dog("zmq start timeout");
   TempDir dir;
-  // A port nobody listens on: bind a socket, note its port, close it.
-  std::string endpoint;
-  {
-    zmq::context_t ctx;
-    zmq::socket_t s(ctx, zmq::socket_type::router);
-    s.bind("tcp://127.0.0.1:0");
-    endpoint = s.get(zmq::sockopt::last_endpoint);
-  }
-  ClusterSpec c;
-  c.ps = {endpoint.substr(6)};
-  c.chief = {"127.0.0.1:0"};
+  // A port nobody listens on.
+  const std::string endpoint = free_endpoint();
+  const ClusterSpec c = one_server_at(endpoint);
   Zmq z = settings(c, "chief", 0, dir.path);
   z.start_timeout = std::chrono::milliseconds(300);
   ZmqCluster<psx::partition::HashByName, psx::sync::Synchronous, psx::optim::SGD> cluster({1, 1}, {}, {}, {}, z);
@@ -469,17 +478,8 @@ TEST_CASE("zmq: CURVE: an allowed client trains, a client not on the list change
 TEST_CASE("zmq: a server restarted on the same endpoint is reconnected to") {
   psx_test::Watchdog dog("zmq restart", std::chrono::seconds(120));
   TempDir dir;
-  // A fixed port both server incarnations bind: take a free one from the system.
-  std::string endpoint;
-  {
-    zmq::context_t ctx;
-    zmq::socket_t s(ctx, zmq::socket_type::router);
-    s.bind("tcp://127.0.0.1:0");
-    endpoint = s.get(zmq::sockopt::last_endpoint);
-  }
-  ClusterSpec c;
-  c.ps = {endpoint.substr(6)};
-  c.chief = {"127.0.0.1:0"};
+  // A fixed port both server incarnations bind.
+  const ClusterSpec c = one_server_at(free_endpoint());
   using Async = ZmqCluster<psx::partition::HashByName, psx::sync::Asynchronous, psx::optim::SGD>;
   // A server on its own thread, up until told to go; it shuts itself down
   // (no other thread may touch it while it is destroyed).
@@ -559,4 +559,38 @@ TEST_CASE("wire: a failure reason longer than a receiver takes is cut, not refus
   const auto h = wire::encode_request(r, {0, 2, 64}, segs);
   std::vector<std::span<const std::byte>> frames = {h};
   CHECK(wire::decode_request(frames, {}, "test").request.reason == std::string(wire::Limits{}.max_text_bytes, 'x'));
+}
+
+TEST_CASE("zmq: many requests in flight from one worker, answered into the right buffers") {
+  psx_test::Watchdog dog("zmq in flight");
+  TempDir dir;
+  const ClusterSpec c = spec(1, 1, false, dir.path);
+  ServerThread server(c, dir.path, 1, [](auto& ps) { declare_fuzz(ps); });
+  {
+    ZmqCluster<psx::partition::HashByName, psx::sync::Synchronous, psx::optim::SGD> chief(
+        {1, 1, std::chrono::milliseconds(2000)}, {}, {}, {}, settings(c, "chief", 0, dir.path));
+    declare_fuzz(chief);
+    const auto w0 = chief.read("w");
+    const auto e0 = chief.read("emb");
+    psx::Worker w = chief.worker(0);
+    // 16 pulls of different rows, all sent before any is waited for.
+    std::vector<std::vector<std::uint64_t>> ids(16);
+    std::vector<std::vector<float>> rows(16, std::vector<float>(3 * 8));
+    std::vector<std::vector<float>> dense(16, std::vector<float>(1000));
+    std::vector<psx::Handle> handles;
+    for (std::size_t k = 0; k < 16; ++k) {
+      ids[k] = {k, 100 + k, 499 - k};
+      handles.push_back(w.pull_rows_async("emb", ids[k], rows[k]));
+      handles.push_back(w.pull_async("w", dense[k]));
+    }
+    for (auto& h : handles) h.wait();
+    for (std::size_t k = 0; k < 16; ++k) {
+      CHECK(dense[k] == w0);
+      for (std::size_t j = 0; j < 3; ++j)
+        for (std::size_t d = 0; d < 8; ++d) CHECK(rows[k][j * 8 + d] == e0[ids[k][j] * 8 + d]);
+    }
+    w.leave();
+  }
+  server.thread.join();
+  REQUIRE_FALSE(server.error);
 }
