@@ -83,6 +83,7 @@ struct Limits {
   std::uint32_t max_items = 1u << 20;
   //! Longest reason / error text.
   std::uint32_t max_text_bytes = 1u << 16;
+  friend bool operator==(const Limits&, const Limits&) = default;
 };
 
 inline constexpr std::size_t prefix_bytes = 8;

@@ -126,11 +126,7 @@ struct Zmq {
   class link_type;
   std::unique_ptr<link_type> connect(const TransportContext& ctx) const;
 
-  friend bool operator==(const Zmq& a, const Zmq& b) {
-    return a.tf == b.tf && a.rendezvous == b.rendezvous && a.start_timeout == b.start_timeout &&
-           a.chunk_bytes == b.chunk_bytes && a.io_threads == b.io_threads && a.busy_poll == b.busy_poll &&
-           a.curve == b.curve;
-  }
+  friend bool operator==(const Zmq&, const Zmq&) = default;
   friend std::ostream& operator<<(std::ostream& os, const Zmq& z) {
     return os << "Zmq{task=" << z.tf.task << ", servers=" << z.tf.cluster.num_servers()
               << ", workers=" << z.tf.cluster.num_workers() << ", " << z.curve << "}";
