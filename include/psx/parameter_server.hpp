@@ -167,18 +167,21 @@ class ParameterServer {
     return Worker(*core_, index);
   }
 
-  //! Whether this process runs worker `index` / server `index` (every one
-  //! of them with an in-process transport; with one between processes,
-  //! those of this process's task). Starts the cluster.
+  //! Whether this process runs worker `index` (every worker with an
+  //! in-process transport; with one between processes, those of this
+  //! process's task). Starts the cluster.
   bool is_local_worker(std::size_t index) {
     start();
     std::lock_guard lock(link_mu_);
     return link_ && local_worker(*link_, index);
   }
-  bool is_local_server(std::size_t index) {
-    start();
-    std::lock_guard lock(link_mu_);
-    return link_ && local_server(*link_, index);
+
+  //! The workers this process runs, in index order. Starts the cluster.
+  std::vector<std::size_t> local_workers() {
+    std::vector<std::size_t> local;
+    for (std::size_t w = 0; w < config().num_workers; ++w)
+      if (is_local_worker(w)) local.push_back(w);
+    return local;
   }
 
   //! Runs `fn(worker)` for every worker, each on its own thread, and returns
@@ -190,20 +193,16 @@ class ParameterServer {
   template <class F>
     requires std::invocable<F&, Worker&>
   void run(F&& fn) {
-    start();
-    std::vector<std::size_t> local;
-    for (std::size_t w = 0; w < config().num_workers; ++w)
-      if (is_local_worker(w)) local.push_back(w);
+    const std::vector<std::size_t> local = local_workers();
     if (local.empty()) {
-      // A server process: serve until the cluster is done.
-      std::string why;
-      {
-        std::unique_lock lock(link_mu_);
-        auto* link = link_.get();
-        lock.unlock();
-        if constexpr (requires { link->wait_stopped(); }) why = link->wait_stopped();
-      }
-      if (!why.empty()) throw peer_lost(why);
+      // A server process: serve until the cluster is done (without holding
+      // the lock, so that shutdown() can close the link meanwhile).
+      auto* link = [&] {
+        std::lock_guard lock(link_mu_);
+        return link_.get();
+      }();
+      if constexpr (requires { link->wait_stopped(); })
+        if (const std::string why = link->wait_stopped(); !why.empty()) throw peer_lost(why);
       return;
     }
     {
@@ -303,11 +302,10 @@ class ParameterServer {
     const VariableInfo& v = variable(name);
     std::vector<float> out(v.meta.size());
     const PullItem item{name, out};
-    std::size_t reader = 0;
-    while (reader < config().num_workers && !is_local_worker(reader)) ++reader;
-    if (reader == config().num_workers)
+    const std::vector<std::size_t> local = local_workers();
+    if (local.empty())
       throw config_error("psx: read('" + v.meta.name + "') in a process without workers; read from a worker");
-    Worker(*core_, reader).read_async(std::span<const PullItem>(&item, 1)).wait();
+    Worker(*core_, local.front()).read_async(std::span<const PullItem>(&item, 1)).wait();
     return out;
   }
 

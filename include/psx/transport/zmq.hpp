@@ -337,11 +337,9 @@ class Zmq::link_type {
       if (!item.out16.empty()) {
         o.kind = ::psx::detail::wire::OutKind::bits16;
         o.dst = reinterpret_cast<std::byte*>(item.out16.data());
-        o.elem = 2;
       } else if (!item.out.empty()) {
         o.kind = ::psx::detail::wire::OutKind::float32;
         o.dst = reinterpret_cast<std::byte*>(item.out.data());
-        o.elem = 4;
       }
       const VariableInfo* v = item.variable < ctx_.variables.size() ? &ctx_.variables[item.variable] : nullptr;
       const std::size_t width = v ? v->meta.row_width : 1;
@@ -365,7 +363,7 @@ class Zmq::link_type {
       } else {
         o.count = o.kind == ::psx::detail::wire::OutKind::bits16 ? item.out16.size() : item.out.size();
       }
-      call->bytes += item.in.size_bytes() + item.ids.size_bytes() + o.count * o.elem;
+      call->bytes += item.in.size_bytes() + item.ids.size_bytes() + o.count * o.elem();
       call->outs.push_back(o);
     }
     const std::uint64_t id = done ? next_call_.fetch_add(1) + 1 : 0;
@@ -427,7 +425,7 @@ class Zmq::link_type {
       ::psx::detail::wire::OutKind kind = ::psx::detail::wire::OutKind::none;
       std::byte* dst = nullptr;
       std::size_t count = 0;  // elements on the wire
-      std::size_t elem = 4;
+      std::size_t elem() const noexcept { return kind == ::psx::detail::wire::OutKind::bits16 ? 2 : 4; }
       std::span<const std::uint32_t> positions;
       std::size_t width = 0;
     };
@@ -445,6 +443,23 @@ class Zmq::link_type {
       if (done) done->finish(std::move(error));
     }
   };
+
+  // The worker's calls waiting for an answer, by call id (I/O thread only).
+  using Pending = std::unordered_map<std::uint64_t, std::shared_ptr<WorkerCall>>;
+
+  // Fails and forgets every call waiting on server `s`, each with an error
+  // of its own from `make_error`.
+  template <class MakeError>
+  static void fail_calls(Pending& pending, std::size_t s, const MakeError& make_error) {
+    std::erase_if(pending, [&](auto& p) {
+      if (p.second->server != s) return false;
+      p.second->error = make_error();
+      return true;
+    });
+  }
+  static bool waits_on(const Pending& pending, std::size_t s) {
+    return std::any_of(pending.begin(), pending.end(), [&](const auto& p) { return p.second->server == s; });
+  }
 
   struct Outgoing {
     std::size_t server = 0;
@@ -842,14 +857,12 @@ class Zmq::link_type {
     }
 
     void reply(const std::shared_ptr<ServerCall>& call, std::uint64_t id, std::exception_ptr error) {
-      std::vector<zmq::message_t> frames;
-      frames.emplace_back(call->routing.data(), call->routing.size());
       if (error) {
         auto [status, text] = ::psx::detail::wire::status_of(error);
-        frames.push_back(
-            detail_zmq::message_of(::psx::detail::wire::encode_reply(id, status, text, 0, l_.settings_.chunk_bytes)));
-        return send_now(std::move(frames));
+        return answer(call->routing, ::psx::detail::wire::encode_reply(id, status, text, 0, l_.settings_.chunk_bytes));
       }
+      std::vector<zmq::message_t> frames;
+      frames.emplace_back(call->routing.data(), call->routing.size());
       std::vector<::psx::detail::wire::Segment> segs;
       std::uint32_t tensors = 0;
       std::size_t b = 0;
@@ -948,23 +961,14 @@ class Zmq::link_type {
   void io_loop() {
     const std::size_t n = dealers_.size();
     std::vector<std::deque<Outgoing>> outbox(n);
-    std::unordered_map<std::uint64_t, std::shared_ptr<WorkerCall>> pending;
-    std::vector<std::size_t> pending_per(n, 0);
+    Pending pending;
     const auto timeout = ctx_.peer_timeout;
     const auto beat = timeout.count() > 0 ? std::max<clock::duration>(timeout / 4, std::chrono::milliseconds(1))
                                           : clock::duration::max();
     auto next_beat = timeout.count() > 0 ? clock::now() + beat : clock::time_point::max();
     bool closing = false;
     auto fail_server = [&](std::size_t s, const std::string& why) {
-      for (auto it = pending.begin(); it != pending.end();) {
-        if (it->second->server == s) {
-          it->second->error = std::make_exception_ptr(peer_lost(why));
-          it = pending.erase(it);
-        } else {
-          ++it;
-        }
-      }
-      pending_per[s] = 0;
+      fail_calls(pending, s, [&] { return std::make_exception_ptr(peer_lost(why)); });
       // libzmq may still hold frames that borrow the callers' buffers, in a
       // pipe to a peer that is gone: a new socket (linger 0 on the old one)
       // lets them go, so the failed calls complete, and reconnects to a
@@ -982,9 +986,10 @@ class Zmq::link_type {
           queue_.pop_front();
           if (o.call) {
             o.call->server = o.server;
+            // The silence that counts against a server starts when a call
+            // starts waiting on it.
+            if (!waits_on(pending, o.server)) last_heard_[o.server] = std::max(last_heard_[o.server], clock::now());
             pending.emplace(o.id, o.call);
-            ++pending_per[o.server];
-            if (pending_per[o.server] == 1) last_heard_[o.server] = std::max(last_heard_[o.server], clock::now());
           }
           o.call.reset();
           outbox[o.server].push_back(std::move(o));
@@ -996,15 +1001,11 @@ class Zmq::link_type {
         // Send what the sockets take; a full pipe keeps the rest (backpressure).
         for (std::size_t s = 0; s < n; ++s) send_some(s, outbox[s]);
         const auto now = clock::now();
-        for (auto it = pending.begin(); it != pending.end();) {
-          if (it->second->deadline <= now) {
-            it->second->error = std::make_exception_ptr(peer_lost(it->second->deadline_reason));
-            --pending_per[it->second->server];
-            it = pending.erase(it);
-          } else {
-            ++it;
-          }
-        }
+        std::erase_if(pending, [&](auto& p) {
+          if (p.second->deadline > now) return false;
+          p.second->error = std::make_exception_ptr(peer_lost(p.second->deadline_reason));
+          return true;
+        });
         if (now >= next_beat) {
           next_beat = now + beat;
           for (std::size_t s = 0; s < n; ++s) {
@@ -1020,7 +1021,7 @@ class Zmq::link_type {
             send_some(s, outbox[s]);
           }
           for (std::size_t s = 0; s < n; ++s)
-            if (pending_per[s] > 0 && now - last_heard_[s] > timeout)
+            if (now - last_heard_[s] > timeout && waits_on(pending, s))
               fail_server(s,
                           "psx: " + worker_name() + ": " + server_name(s) + " sent nothing for " +
                               std::to_string(
@@ -1058,7 +1059,7 @@ class Zmq::link_type {
             if (!zmq::recv_multipart(dealers_[s], std::back_inserter(msg), zmq::recv_flags::dontwait)) break;
             detail_zmq::taken_over();
             last_heard_[s] = clock::now();
-            if (auto why = on_reply(s, msg, pending, pending_per); !why.empty()) {
+            if (auto why = on_reply(s, msg, pending); !why.empty()) {
               // The server restarted. What it held will never be answered;
               // what reached the new one will: each call still waiting gets
               // the peer timeout (or start_timeout) more, then fails with why.
@@ -1085,7 +1086,6 @@ class Zmq::link_type {
         for (auto& [id, call] : pending)
           call->error = std::make_exception_ptr(error("psx: " + worker_name() + ": the I/O thread failed: " + what));
         pending.clear();
-        std::fill(pending_per.begin(), pending_per.end(), 0);
         std::this_thread::sleep_for(std::chrono::milliseconds(10));
       }
     }
@@ -1123,8 +1123,7 @@ class Zmq::link_type {
   // Handles one message from server `s`; returns why every call waiting on
   // it must fail when there is such a reason (the server restarted).
   std::string on_reply(std::size_t s, std::vector<zmq::message_t>& msg,
-                       std::unordered_map<std::uint64_t, std::shared_ptr<WorkerCall>>& pending,
-                       std::vector<std::size_t>& pending_per) {
+                       Pending& pending) {
     if (msg.empty()) return {};
     const auto head = detail_zmq::bytes_of(msg[0]);
     const std::string where = worker_name() + ": an answer from " + server_name(s);
@@ -1141,16 +1140,9 @@ class Zmq::link_type {
       if (p.kind == ::psx::detail::wire::Kind::refuse) {
         // A server that restarted with other declarations, or another version.
         const std::string why = ::psx::detail::wire::decode_refuse(head, where);
-        for (auto it = pending.begin(); it != pending.end();) {
-          if (it->second->server == s) {
-            it->second->error =
-                ::psx::detail::wire::exception_of(static_cast<::psx::detail::wire::Status>(p.byte7), why);
-            it = pending.erase(it);
-          } else {
-            ++it;
-          }
-        }
-        pending_per[s] = 0;
+        fail_calls(pending, s, [&] {
+          return ::psx::detail::wire::exception_of(static_cast<::psx::detail::wire::Status>(p.byte7), why);
+        });
         return {};
       }
       rh = ::psx::detail::wire::decode_reply_head(head, where);
@@ -1161,7 +1153,6 @@ class Zmq::link_type {
         if (it != pending.end() && it->second->server == s) {
           it->second->error = std::current_exception();
           pending.erase(it);
-          --pending_per[s];
         }
       }
       return {};
@@ -1170,7 +1161,6 @@ class Zmq::link_type {
     if (it == pending.end() || it->second->server != s) return {};  // late answer to a call that timed out
     auto call = std::move(it->second);
     pending.erase(it);
-    --pending_per[s];
     if (rh.status != ::psx::detail::wire::Status::ok) {
       call->error = ::psx::detail::wire::exception_of(rh.status, rh.text);
       return {};
@@ -1188,7 +1178,7 @@ class Zmq::link_type {
       std::size_t f = 1;
       for (const auto& o : call->outs) {
         if (o.kind == ::psx::detail::wire::OutKind::none) continue;
-        const std::size_t bytes = o.count * o.elem;
+        const std::size_t bytes = o.count * o.elem();
         const std::size_t frames = static_cast<std::size_t>(::psx::detail::wire::chunks(bytes, rh.chunk));
         if (o.positions.empty()) {
           for (std::size_t at = 0; at < bytes; ++f) {
@@ -1210,7 +1200,7 @@ class Zmq::link_type {
           src = joined.data();
         }
         f += frames;
-        const std::size_t row = o.width * o.elem;
+        const std::size_t row = o.width * o.elem();
         for (std::size_t j = 0; j < o.positions.size(); ++j)
           std::memcpy(o.dst + std::size_t{o.positions[j]} * row, src + j * row, row);
       }
