@@ -385,46 +385,40 @@ TEST_CASE("cuda: a wrong slot count is refused") {
 
 // --- sparse rows -----------------------------------------------------------
 
+// Gathers `n` random rows of a `table_rows` x `width` table on the device
+// (buffers `off` floats past alignment) and compares with the host's copy.
+static void check_gather(std::size_t width, std::size_t n, std::size_t table_rows, std::size_t off, std::mt19937_64& rng,
+                  const std::string& what) {
+  const std::vector<float> table = random_floats(table_rows * width, rng);
+  std::vector<std::uint64_t> ids(n);
+  for (auto& id : ids) id = rng() % table_rows;
+  Dev<float> dt(table, off), dout(n * width, off);
+  Dev<std::uint64_t> di(ids, 0);
+  dout.poison();
+  pc::gather_rows(dt.ptr(), width, di.ptr(), n, dout.ptr());
+  std::vector<float> want(n * width);
+  for (std::size_t k = 0; k < n; ++k)
+    std::copy_n(table.begin() + static_cast<std::ptrdiff_t>(ids[k] * width), width,
+                want.begin() + static_cast<std::ptrdiff_t>(k * width));
+  expect_identical(dout.download(), want, what);
+}
+
 TEST_CASE("cuda: gather_rows") {
   for (std::size_t width : {1, 3, 4, 64}) {
     for (std::size_t n : sizes()) {
       if (n > 5000 && width > 1) continue;  // ~1M elements: width 1 here, width 64 below
       for (std::size_t off : {0, 1}) {
         std::mt19937_64 rng(seed_of("gather", width, n, off));
-        const std::size_t table_rows = n / 2 + 3;
-        const std::vector<float> table = random_floats(table_rows * width, rng);
-        std::vector<std::uint64_t> ids(n);
-        for (auto& id : ids) id = rng() % table_rows;
-        Dev<float> dt(table, off), dout(n * width, off);
-        Dev<std::uint64_t> di(ids, 0);
-        dout.poison();
-        pc::gather_rows(dt.ptr(), width, di.ptr(), n, dout.ptr());
-        std::vector<float> want(n * width);
-        for (std::size_t k = 0; k < n; ++k)
-          std::copy_n(table.begin() + static_cast<std::ptrdiff_t>(ids[k] * width), width,
-                      want.begin() + static_cast<std::ptrdiff_t>(k * width));
-        expect_identical(dout.download(), want,
-                         "gather_rows width " + std::to_string(width) + " n " + std::to_string(n) + " offset " +
-                             std::to_string(off));
+        check_gather(width, n, n / 2 + 3, off, rng,
+                     "gather_rows width " + std::to_string(width) + " n " + std::to_string(n) + " offset " +
+                         std::to_string(off));
       }
     }
   }
   // ~1M elements with vector loads: 16411 rows of 64.
   if (!quick()) {
     std::mt19937_64 rng(seed_of("gather large", 0));
-    const std::size_t width = 64, n = 16411, table_rows = 40000;
-    const std::vector<float> table = random_floats(table_rows * width, rng);
-    std::vector<std::uint64_t> ids(n);
-    for (auto& id : ids) id = rng() % table_rows;
-    Dev<float> dt(table, 0), dout(n * width, 0);
-    Dev<std::uint64_t> di(ids, 0);
-    dout.poison();
-    pc::gather_rows(dt.ptr(), width, di.ptr(), n, dout.ptr());
-    std::vector<float> want(n * width);
-    for (std::size_t k = 0; k < n; ++k)
-      std::copy_n(table.begin() + static_cast<std::ptrdiff_t>(ids[k] * width), width,
-                  want.begin() + static_cast<std::ptrdiff_t>(k * width));
-    expect_identical(dout.download(), want, "gather_rows large");
+    check_gather(64, 16411, 40000, 0, rng, "gather_rows large");
   }
 }
 
