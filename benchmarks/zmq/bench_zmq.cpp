@@ -9,6 +9,10 @@
 //
 // The raw reference does exactly that with one DEALER and one ROUTER and no
 // psx: the bytes leave a buffer as a borrowed frame and land in a buffer.
+// Its two ends have a ZeroMQ context each, as two processes have (and as
+// the psx server and worker here have): with one shared context, a single
+// libzmq I/O thread would do both the send and the receive copy, with the
+// bytes still in its cache, which no transfer between processes can do.
 // The psx server here discards gradients (an optimizer whose update does
 // nothing), so what is measured is the transport, not SGD. psx and raw runs
 // alternate, and each figure is the median of `reps` runs.
@@ -175,8 +179,8 @@ int main(int argc, char** argv) {
       Cluster chief({1, 1}, {}, {}, {}, task("chief"));
       declare(chief);
       psx::Worker w = chief.worker(0);
-      zmq::context_t ctx;
-      RawServer raw_server(ctx, ipc ? "ipc://" + (dir / "raw").string() : "tcp://127.0.0.1:0",
+      zmq::context_t ctx, server_ctx;
+      RawServer raw_server(server_ctx, ipc ? "ipc://" + (dir / "raw").string() : "tcp://127.0.0.1:0",
                            sizes[2].floats * sizeof(float));
       RawClient raw(ctx, raw_server.endpoint());
       const char* link = ipc ? "ipc" : "tcp";
@@ -220,6 +224,7 @@ int main(int argc, char** argv) {
                   median(raw_t) / median(ps_t));
       w.leave();
       ctx.shutdown();
+      server_ctx.shutdown();
     }
     server.join();
     fs::remove_all(dir);
