@@ -42,6 +42,8 @@ enum class Op : std::uint8_t {
   heartbeat,  //!< the worker is alive, waiting on some server (carries no item)
   barrier,    //!< wait until every worker has reached the same barrier (sent to every server)
   read,       //!< like pull, but never waits for the sync policy (inspection)
+  save,       //!< write this server's shards into the checkpoint directory `Request::reason` (psx/checkpoint.hpp)
+  restore,    //!< load this server's shards from the checkpoint directory `Request::reason`
 };
 
 //! One shard of one variable touched by a request.
@@ -138,7 +140,8 @@ struct Request {
   //! The worker's clock (number of `step()` calls) when it sent this.
   std::uint64_t clock = 0;
   std::vector<Item> items;
-  //! For `Op::fail`: what happened to the worker.
+  //! For `Op::fail`: what happened to the worker. For `Op::save` and
+  //! `Op::restore`: the checkpoint directory (`clock` is then the step).
   std::string reason;
   //! Finished by the server once the request is answered; may be null for
   //! fire-and-forget messages (clock ticks).

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <psx/concepts.hpp>
+#include <psx/detail/persist.hpp>
 #include <psx/detail/span.hpp>
 #include <psx/errors.hpp>
 #include <psx/message.hpp>
@@ -199,6 +200,13 @@ class Server final : public RequestHandler {
     ShardProgress progress() const noexcept { return {&var->meta, version, applied_steps}; }
   };
 
+  // What the first phase of a restore read, until the second applies it.
+  struct StagedRestore {
+    std::uint64_t step = 0;
+    std::vector<ShardState*> held;
+    std::vector<detail::RestoredShard> shards;
+  };
+
   std::unique_ptr<ShardState> make_shard(const VariableInfo& v, std::size_t k) const {
     auto s = std::make_unique<ShardState>(optimizer_, v, k);
     s->workers.resize(clocks_.size());
@@ -315,11 +323,115 @@ class Server final : public RequestHandler {
         barrier_.push_back(std::move(r));
         release_barrier();
         return;
+      case Op::save:
+        save(r);
+        break;
+      case Op::restore:
+        restore(r);
+        break;
       default:
         throw wire_error("psx: " + where(r) + " has unknown operation " +
                          std::to_string(static_cast<unsigned>(r.op)));
     }
     r.finish();  // last: an error above finishes the request once, in handle()
+  }
+
+  // Writes every shard this server holds, with its optimizer slots, into
+  // the checkpoint directory `r.reason` (psx/checkpoint.hpp's format).
+  void save(const Request& r) {
+    const auto& hooks = detail::persist_hooks();
+    if (!hooks.save)
+      throw config_error("psx: server " + std::to_string(index_) +
+                         ": asked to save a checkpoint, but this program does not include psx/checkpoint.hpp");
+    const std::size_t num_slots = optimizer_.slots();
+    std::vector<detail::SavedShard> out;
+    std::vector<std::vector<float>> staged;  // state copied out of storage that is not in host memory
+    for (auto& per_variable : shards_)
+      for (std::size_t k = 0; k < per_variable.size(); ++k) {
+        if (!per_variable[k]) continue;
+        ShardState& s = *per_variable[k];
+        detail::SavedShard v{s.var, static_cast<std::uint32_t>(k), s.version, {}, {}};
+        if constexpr (requires { s.data.values(); s.data.slot_values(std::size_t{}); }) {
+          v.params = s.data.values();
+          for (std::size_t j = 0; j < num_slots; ++j) v.slots.push_back(s.data.slot_values(j));
+        } else if constexpr (requires(std::span<float> a) { s.data.save_state(a, a); }) {
+          const std::size_t n = s.data.size();
+          std::vector<float>& params = staged.emplace_back(n);
+          std::vector<float>& slots = staged.emplace_back(num_slots * n);
+          s.data.save_state(params, slots);
+          v.params = params;
+          for (std::size_t j = 0; j < num_slots; ++j) v.slots.push_back(std::span<const float>(slots).subspan(j * n, n));
+        } else {
+          throw config_error("psx: server " + std::to_string(index_) +
+                             ": this storage has neither save_state nor values/slot_values: it cannot be checkpointed");
+        }
+        out.push_back(std::move(v));
+      }
+    hooks.save({r.reason, r.clock, index_}, out);
+  }
+
+  // A restore in two phases, so that it changes nothing anywhere unless
+  // every server could read its part: `r.reason` a directory: read and
+  // check what this server's shards need from the checkpoint there, and
+  // keep it; `r.reason` empty: replace every shard by what was kept and set
+  // every clock to the checkpoint's step (`r.clock`); "-": drop what was kept.
+  void restore(const Request& r) {
+    if (r.reason == "-") {
+      staged_.reset();
+      return;
+    }
+    if (r.reason.empty()) return commit_restore(r.clock);
+    const auto& hooks = detail::persist_hooks();
+    if (!hooks.restore)
+      throw config_error("psx: server " + std::to_string(index_) +
+                         ": asked to restore a checkpoint, but this program does not include psx/checkpoint.hpp");
+    if constexpr (!requires(std::span<const float> a) { std::declval<ShardState&>().data.assign(a, a); }) {
+      throw config_error("psx: server " + std::to_string(index_) +
+                         ": this storage has no assign(params, slots): it cannot restore a checkpoint");
+    } else {
+      staged_.reset();
+      auto staged = std::make_unique<StagedRestore>();
+      const std::size_t num_slots = optimizer_.slots();
+      for (auto& per_variable : shards_)
+        for (std::size_t k = 0; k < per_variable.size(); ++k)
+          if (per_variable[k]) {
+            staged->held.push_back(per_variable[k].get());
+            staged->shards.push_back({per_variable[k]->var, static_cast<std::uint32_t>(k), num_slots, {}, {}, 0});
+          }
+      staged->step = hooks.restore({r.reason, r.clock, index_}, staged->shards);
+      for (std::size_t i = 0; i < staged->held.size(); ++i) {
+        const auto& t = staged->shards[i];
+        if (t.params.size() != staged->held[i]->data.size() || t.slots.size() != num_slots * t.params.size())
+          throw checkpoint_error("psx: server " + std::to_string(index_) + ": the checkpoint reader returned " +
+                                 std::to_string(t.params.size()) + " parameters for a shard of '" +
+                                 t.variable->meta.name + "' that holds " + std::to_string(staged->held[i]->data.size()));
+      }
+      staged_ = std::move(staged);
+    }
+  }
+
+  void commit_restore(std::uint64_t step) {
+    if (!staged_ || staged_->step != step)
+      throw checkpoint_error("psx: server " + std::to_string(index_) + ": asked to commit the restore of step " +
+                             std::to_string(step) + ", but it " +
+                             (staged_ ? "read step " + std::to_string(staged_->step) : std::string("read none")));
+    if constexpr (requires(std::span<const float> a) { std::declval<ShardState&>().data.assign(a, a); }) {
+      const auto staged = std::move(staged_);
+      for (std::size_t i = 0; i < staged->held.size(); ++i) {
+        ShardState& s = *staged->held[i];
+        s.data.assign(staged->shards[i].params, staged->shards[i].slots);
+        s.version = staged->shards[i].version;
+        s.applied_steps = step;
+        s.pending.clear();
+        s.workers.assign(clocks_.size(), WorkerView{});
+        for (WorkerView& wv : s.workers) {
+          wv.pulled_version = s.version;
+          wv.pulled_step = step;
+        }
+      }
+      std::fill(clocks_.begin(), clocks_.end(), step);
+      recount();
+    }
   }
 
   bool may_pull(const Request& r) const {
@@ -713,6 +825,7 @@ class Server final : public RequestHandler {
   std::chrono::milliseconds peer_timeout_;
   std::vector<std::vector<std::unique_ptr<ShardState>>> shards_;  // [variable][shard]; null where not ours
   std::vector<std::uint64_t> clocks_;
+  std::unique_ptr<StagedRestore> staged_;  // a restore read but not yet applied
   std::vector<Gone> gone_;
   std::vector<time_point> last_seen_;
   std::vector<std::string> lost_reason_;

@@ -11,7 +11,8 @@
 //! `(const O& optimizer, const VariableInfo& v, const Shard& shard)`, with the
 //! members `psx::storage::Host::shard` shows, and `St::host_visible`: whether
 //! `values()` exposes the parameters in host memory (which delay compensation
-//! needs).
+//! needs). Checkpoints (psx/checkpoint.hpp) need `save_state` and `assign`,
+//! or `values()`, `slot_values(k)` and `assign` for a storage in host memory.
 #pragma once
 
 #include <psx/concepts.hpp>
@@ -111,6 +112,21 @@ struct Host {
     std::size_t slot_bytes() const noexcept { return slots_.size() * sizeof(float); }
     //! The float32 parameters, in host memory.
     std::span<const float> values() const noexcept { return params_; }
+    //! Optimizer slot `k` (`k < optimizer.slots()`), as many floats as the parameters.
+    std::span<const float> slot_values(std::size_t k) const noexcept { return {bases_[k], size()}; }
+    //! Copies the parameters and the slots (slot-major: slot k at `k * size()`) out.
+    void save_state(std::span<float> params, std::span<float> slots) const noexcept {
+      std::memcpy(params.data(), params_.data(), size() * sizeof(float));
+      std::memcpy(slots.data(), slots_.data(), slots_.size() * sizeof(float));
+    }
+    //! Replaces the parameters and the slots (laid out as `save_state`
+    //! writes them; the sizes are the caller's to check) and refreshes the
+    //! 16-bit copy: a checkpoint restore.
+    void assign(std::span<const float> params, std::span<const float> slots) noexcept {
+      std::memcpy(params_.data(), params.data(), size() * sizeof(float));
+      std::memcpy(slots_.data(), slots.data(), slots_.size() * sizeof(float));
+      if (!low_.empty()) detail::to_low(dtype_, params_.data(), low_.data(), size());
+    }
 
     //! Copies the whole shard (float32 master or 16-bit copy) into `out`.
     void read(std::span<float> out) const noexcept { std::memcpy(out.data(), params_.data(), size() * sizeof(float)); }

@@ -172,6 +172,10 @@ inline std::string floats(std::size_t n) { return std::to_string(n) + (n == 1 ? 
 template <class P, class S, class O, class T, class Storage>
 class ParameterServer;
 
+namespace detail {
+struct WorkerAccess;
+}
+
 //! One worker's handle on the cluster. Use it from one thread at a time.
 class Worker {
   template <class P, class S, class O, class T, class Storage>
@@ -315,14 +319,29 @@ class Worker {
   //! keep their order).
   void barrier() {
     check_running("barrier");
+    call_every_server(Op::barrier, clock());
+  }
+
+  //! Leaves the cluster, as `ParameterServer::run` does when a worker
+  //! function returns: synchronous steps stop waiting for this worker. For
+  //! workers driven from threads of your own; calling it again, or after
+  //! shutdown, does nothing.
+  void leave() noexcept { detail::announce(*core_, index_, Op::leave); }
+
+ private:
+  friend struct detail::WorkerAccess;
+
+  // Sends `op` to every server and waits for every answer.
+  void call_every_server(Op op, std::uint64_t clock_value, const std::string& text = {}) {
     auto done = std::make_shared<Completion>(num_servers());
     std::size_t s = 0;
     try {
       for (; s < num_servers(); ++s) {
         Request r;
-        r.op = Op::barrier;
+        r.op = op;
         r.worker = static_cast<std::uint32_t>(index_);
-        r.clock = clock();
+        r.clock = clock_value;
+        r.reason = text;
         r.done = done;
         core_->send(s, std::move(r));
       }
@@ -333,13 +352,6 @@ class Worker {
     handle(std::move(done)).wait();
   }
 
-  //! Leaves the cluster, as `ParameterServer::run` does when a worker
-  //! function returns: synchronous steps stop waiting for this worker. For
-  //! workers driven from threads of your own; calling it again, or after
-  //! shutdown, does nothing.
-  void leave() noexcept { detail::announce(*core_, index_, Op::leave); }
-
- private:
   // A handle whose wait sends heartbeats when the cluster has a peer timeout.
   Handle handle(std::shared_ptr<Completion> done) const {
     const auto timeout = core_->config.peer_timeout;

@@ -132,6 +132,23 @@ struct Device {
       copy_out(out.data(), low_.data(), n_ * sizeof(std::uint16_t));
     }
 
+    //! Copies the parameters and the slots (slot-major) to host memory: a checkpoint save.
+    void save_state(std::span<float> params, std::span<float> slots) const {
+      check(cudaMemcpyAsync(params.data(), params_.data(), n_ * sizeof(float), cudaMemcpyDeviceToHost, stream_),
+            "psx::cuda::Device: copy of the parameters for a checkpoint");
+      check(cudaMemcpyAsync(slots.data(), slots_.data(), slots_.bytes(), cudaMemcpyDeviceToHost, stream_),
+            "psx::cuda::Device: copy of the slots for a checkpoint");
+      finish("checkpoint save");
+    }
+    //! Replaces the parameters and the slots from host memory and refreshes
+    //! the 16-bit copy: a checkpoint restore.
+    void assign(std::span<const float> params, std::span<const float> slots) {
+      upload(params_.data(), params.data(), n_);
+      if (!slots.empty()) upload(slots_.data(), slots.data(), slots.size());
+      if (!low_.empty()) refresh_low();
+      finish("checkpoint restore");
+    }
+
     //! Gathers rows `ids[j] - first_row` on the device, then places them at
     //! rows `positions[j]` (or j) of `out`.
     template <class T>

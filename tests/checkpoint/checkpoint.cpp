@@ -1,0 +1,371 @@
+// Checkpoints: exact resume, restore into other layouts, atomic saves under
+// injected failures, every corruption named, the golden files of each format.
+#include <psx/checkpoint.hpp>
+#include <psx/psx.hpp>
+
+#include "../support.hpp"
+
+#include <doctest/doctest.h>
+
+#include <cstdint>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+namespace fs = std::filesystem;
+using psx_test::Watchdog;
+
+namespace {
+
+constexpr std::size_t kWorkers = 2;
+constexpr std::size_t kRows = 7, kCols = 5;       // "w": dense, split by rows
+constexpr std::size_t kTable = 40, kDim = 4;      // "emb": sparse
+constexpr std::size_t kBatch = 6;
+
+// A fresh directory under the build tree's temp, removed at the end.
+struct TempDir {
+  fs::path path;
+  explicit TempDir(const std::string& name) {
+    path = fs::temp_directory_path() / ("psx-ckpt-test-" + std::to_string(::getpid()) + "-" + name);
+    fs::remove_all(path);
+    fs::create_directories(path);
+  }
+  ~TempDir() {
+    std::error_code ec;
+    fs::remove_all(path, ec);
+  }
+};
+
+float grad(float x, std::size_t worker, std::uint64_t t, std::size_t i) {
+  // Deterministic, depends on the value pulled (so a wrong restore shows).
+  const float noise = static_cast<float>((worker * 131 + t * 31 + i * 7) % 17) / 17.0f - 0.5f;
+  return 0.3f * x + noise;
+}
+
+std::vector<std::uint64_t> batch_ids(std::size_t worker, std::uint64_t t) {
+  std::vector<std::uint64_t> ids(kBatch);
+  for (std::size_t j = 0; j < kBatch; ++j) ids[j] = (worker * 13 + t * 7 + j * j * 3) % kTable;
+  return ids;
+}
+
+void train_step(psx::Worker& w) {
+  const std::uint64_t t = w.clock();
+  std::vector<float> wv(kRows * kCols), gw(kRows * kCols);
+  const auto ids = batch_ids(w.index(), t);
+  std::vector<float> rows(ids.size() * kDim), grows(ids.size() * kDim);
+  w.pull("w", wv);
+  w.pull_rows("emb", ids, rows);
+  for (std::size_t i = 0; i < wv.size(); ++i) gw[i] = grad(wv[i], w.index(), t, i);
+  for (std::size_t i = 0; i < rows.size(); ++i) grows[i] = grad(rows[i], w.index(), t, i);
+  w.push("w", gw);
+  w.push_rows("emb", ids, grows);
+  w.step();
+}
+
+template <class PS>
+void declare(PS& ps) {
+  ps.declare(psx::dense("w", {kRows, kCols}, psx::Initializer::normal(0, 1, 3)));
+  ps.declare(psx::sparse("emb", kTable, kDim, psx::Initializer::uniform(-1, 1, 4)));
+  ps.declare(psx::dense("frozen", {3}, psx::Initializer::constant(2.5f), false));
+}
+
+template <class O, class P = psx::partition::RowRange>
+using Cluster = psx::ParameterServer<P, psx::sync::Synchronous, O>;
+
+// Trains a fresh cluster: restores `from` first when given, trains until
+// the clock reaches `until`, saves into `root` at the end when given.
+template <class O, class P = psx::partition::RowRange>
+std::uint64_t train(const O& opt, std::size_t servers, std::uint64_t until, const fs::path& from,
+                    const fs::path& root) {
+  Cluster<O, P> ps({servers, kWorkers}, P{}, {}, opt);
+  declare(ps);
+  std::atomic<std::uint64_t> resumed{0};
+  ps.run([&](psx::Worker& w) {
+    if (!from.empty()) {
+      const auto step = psx::checkpoint::restore(ps, w, from);
+      CHECK(w.clock() == step);
+      if (w.is_chief()) resumed = step;
+    }
+    while (w.clock() < until) train_step(w);
+    if (!root.empty()) psx::checkpoint::save(ps, w, root);
+  });
+  return resumed;
+}
+
+bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+// Every variable of two checkpoints, parameters and slots, bit for bit.
+void check_same_state(const fs::path& a, const fs::path& b) {
+  for (const char* name : {"w", "emb", "frozen"}) {
+    CAPTURE(name);
+    const auto va = psx::checkpoint::load_variable(a, name), vb = psx::checkpoint::load_variable(b, name);
+    CHECK(va.num_slots == vb.num_slots);
+    CHECK(va.version == vb.version);
+    CHECK(same_bits(va.values, vb.values));
+    CHECK(same_bits(va.slots, vb.slots));
+  }
+}
+
+fs::path dir_of(const fs::path& root, std::uint64_t step) {
+  return root / psx::checkpoint::detail::checkpoint_dir_name(step);
+}
+
+template <class O>
+void check_exact_resume(const O& opt) {
+  Watchdog dog("exact resume");
+  TempDir straight("straight"), halves("halves");
+  train(opt, 3, 100, {}, straight.path);
+  train(opt, 3, 50, {}, halves.path);
+  // A new cluster, another server count and partitioner, resumes at 50.
+  CHECK(train<O, psx::partition::HashByName>(opt, 2, 100, dir_of(halves.path, 50), halves.path) == 50);
+  check_same_state(dir_of(straight.path, 100), dir_of(halves.path, 100));
+  const auto v = psx::checkpoint::load_variable(dir_of(straight.path, 100), "w");
+  CHECK(v.num_slots == opt.slots());
+  CHECK(v.version == 100);
+}
+
+// Overwrites `n` bytes at `offset` of `file`.
+void poke(const fs::path& file, std::uintmax_t offset, const std::string& bytes) {
+  std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
+  f.seekp(static_cast<std::streamoff>(offset));
+  f.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+}
+
+std::string restore_error(const fs::path& dir, std::size_t servers = 2,
+                          psx::VariableSpec w_spec = psx::dense("w", {kRows, kCols})) {
+  Cluster<psx::optim::Adam> ps({servers, 1}, {}, {}, {});
+  ps.declare(w_spec);
+  ps.declare(psx::sparse("emb", kTable, kDim, psx::Initializer::uniform(-1, 1, 4)));
+  ps.declare(psx::dense("frozen", {3}, psx::Initializer::constant(2.5f), false));
+  const auto before = ps.read("emb");
+  std::string message;
+  ps.run([&](psx::Worker& w) {
+    try {
+      psx::checkpoint::restore(ps, w, dir);
+    } catch (const psx::checkpoint_error& e) {
+      message = e.what();
+    }
+  });
+  // A refused checkpoint changes nothing.
+  CHECK(same_bits(ps.read("emb"), before));
+  return message;
+}
+
+}  // namespace
+
+TEST_CASE("checkpoint: 100 steps equal 50, a checkpoint, a new cluster and 50 more, bit for bit (Adam)") {
+  check_exact_resume(psx::optim::Adam{.lr = 0.01});
+}
+
+TEST_CASE("checkpoint: 100 steps equal 50, a checkpoint, a new cluster and 50 more, bit for bit (FTRL)") {
+  check_exact_resume(psx::optim::Ftrl{.lr = 0.05, .l1 = 0.01, .l2 = 0.001});
+}
+
+TEST_CASE("checkpoint: saved with 3 servers, restored with 2 and with 5, every value and slot comes back") {
+  Watchdog dog("restore anywhere");
+  TempDir three("three"), again("again");
+  const psx::optim::Adam adam{.lr = 0.01};
+  train(adam, 3, 20, {}, three.path);
+  for (const std::size_t servers : {2u, 5u}) {
+    CAPTURE(servers);
+    fs::remove_all(again.path);
+    // Restore, then save at once: the new layout's files hold the same state.
+    train(adam, servers, 20, dir_of(three.path, 20), again.path);
+    check_same_state(dir_of(three.path, 20), dir_of(again.path, 20));
+    CHECK(psx::checkpoint::read_manifest(dir_of(again.path, 20)).num_servers == servers);
+  }
+  // And pulls after a restore return the saved parameters.
+  Cluster<psx::optim::Adam, psx::partition::RoundRobin> ps({5, 1}, {}, {}, adam);
+  declare(ps);
+  ps.run([&](psx::Worker& w) { psx::checkpoint::restore(ps, w, dir_of(three.path, 20)); });
+  CHECK(same_bits(ps.read("emb"), psx::checkpoint::load_variable(dir_of(three.path, 20), "emb").values));
+}
+
+TEST_CASE("checkpoint: the manifest records variables, layout, step and optimizer") {
+  TempDir root("manifest");
+  train(psx::optim::Adam{.lr = 0.01}, 3, 4, {}, root.path);
+  const auto m = psx::checkpoint::verify(dir_of(root.path, 4));
+  CHECK(m.format_version == psx::checkpoint::format_version);
+  CHECK(m.step == 4);
+  CHECK(m.num_servers == 3);
+  CHECK(m.num_workers == kWorkers);
+  CHECK(m.optimizer_slots == 2);
+  CHECK(m.optimizer.find("Adam") != std::string::npos);
+  REQUIRE(m.variables.size() == 3);
+  CHECK(m.variables[0].name == "w");
+  CHECK(m.variables[0].shape == std::vector<std::uint64_t>{kRows, kCols});
+  CHECK(m.variables[0].shards.size() == 3);
+  CHECK(m.variables[1].kind == "sparse");
+  CHECK(!m.variables[2].trainable);
+  CHECK(m.files.size() == 3);
+  const auto frozen = psx::checkpoint::load_variable(dir_of(root.path, 4), "frozen");
+  CHECK(frozen.values == std::vector<float>{2.5f, 2.5f, 2.5f});
+}
+
+TEST_CASE("checkpoint: a save that fails at any point leaves the previous checkpoint loadable and latest() on it") {
+  Watchdog dog("injected failures", std::chrono::seconds(120));
+  TempDir root("faults");
+  using PS = Cluster<psx::optim::Adam>;
+  PS ps({3, 1}, {}, {}, {.lr = 0.01});
+  declare(ps);
+  auto& countdown = psx::checkpoint::detail::fault_countdown();
+  int failures = 0;
+  bool saved = false;
+  ps.run([&](psx::Worker& w) {
+    for (int i = 0; i < 3; ++i) train_step(w);
+    psx::checkpoint::save(ps, w, root.path);  // the good one, at step 3
+    for (int i = 0; i < 2; ++i) train_step(w);
+    for (long k = 1; k < 200 && !saved; ++k) {
+      countdown = k;
+      try {
+        psx::checkpoint::save(ps, w, root.path);
+        saved = true;
+      } catch (const psx::checkpoint_error& e) {
+        CHECK(std::string(e.what()).find("injected failure") != std::string::npos);
+        ++failures;
+        // The previous checkpoint always survives; latest() names a complete
+        // one: the previous, or the new one when only the final fsync of
+        // the directory failed (after the rename that completes it).
+        psx::checkpoint::verify(dir_of(root.path, 3));
+        const auto latest = psx::checkpoint::latest(root.path);
+        REQUIRE(latest);
+        CHECK((latest->step == 3 || (latest->step == 5 && std::string(e.what()).find("fsync") != std::string::npos)));
+        psx::checkpoint::verify(latest->path);
+      }
+      countdown = 0;
+    }
+  });
+  CHECK(saved);
+  CHECK(failures >= 10);  // open, writes, fsyncs and renames of 3 shard files and the manifest
+  const auto latest = psx::checkpoint::latest(root.path);
+  REQUIRE(latest);
+  CHECK(latest->step == 5);
+  // Nothing of the failed attempts is left behind.
+  std::size_t entries = 0;
+  for ([[maybe_unused]] const auto& e : fs::directory_iterator(root.path)) ++entries;
+  CHECK(entries == 2);  // ckpt-3 and ckpt-5
+  MESSAGE("a save failed at each of " << failures << " points; the previous checkpoint survived every one");
+}
+
+TEST_CASE("checkpoint: every kind of damage is named, and a refused checkpoint changes nothing") {
+  Watchdog dog("damage");
+  TempDir root("damage");
+  train(psx::optim::Adam{.lr = 0.01}, 3, 2, {}, root.path);
+  const fs::path good = dir_of(root.path, 2);
+  auto fresh = [&](const std::string& name) {
+    const fs::path d = root.path / name;
+    fs::remove_all(d);
+    fs::copy(good, d);
+    return d;
+  };
+  const std::string shard0 = psx::checkpoint::detail::server_file_name(0);
+  SUBCASE("truncated shard file") {
+    const fs::path d = fresh("truncated");
+    fs::resize_file(d / shard0, fs::file_size(d / shard0) - 10);
+    const auto m = restore_error(d);
+    CHECK(m.find(shard0) != std::string::npos);
+    CHECK(m.find("truncated: the header promises") != std::string::npos);
+  }
+  SUBCASE("a flipped bit in the data") {
+    const fs::path d = fresh("flipped");
+    const auto size = fs::file_size(d / shard0);
+    std::ifstream in(d / shard0, std::ios::binary);
+    in.seekg(static_cast<std::streamoff>(size - 5));
+    char c = 0;
+    in.get(c);
+    in.close();
+    poke(d / shard0, size - 5, std::string(1, static_cast<char>(c ^ 0x10)));
+    const auto m = restore_error(d);
+    CHECK(m.find(shard0) != std::string::npos);
+    CHECK(m.find("corrupted data (CRC-32C mismatch)") != std::string::npos);
+    CHECK_THROWS_WITH_AS(psx::checkpoint::verify(d), doctest::Contains("corrupted data"), psx::checkpoint_error);
+  }
+  SUBCASE("a flipped bit in a header") {
+    const fs::path d = fresh("header");
+    poke(d / shard0, 17, "\x7f");
+    CHECK(restore_error(d).find("corrupted header (CRC-32C mismatch)") != std::string::npos);
+  }
+  SUBCASE("a missing shard file") {
+    const fs::path d = fresh("missing");
+    fs::remove(d / psx::checkpoint::detail::server_file_name(2));
+    const auto m = restore_error(d);
+    CHECK(m.find("server-00002.psx: missing") != std::string::npos);
+  }
+  SUBCASE("a manifest from a newer format") {
+    const fs::path d = fresh("newer");
+    psx::checkpoint::detail::Header h;
+    h.version = psx::checkpoint::format_version + 1;
+    h.kind = psx::checkpoint::detail::FileKind::manifest;
+    const auto bytes = psx::checkpoint::detail::encode_header(h);
+    fs::resize_file(d / "manifest.psx", 0);
+    poke(d / "manifest.psx", 0, std::string(reinterpret_cast<const char*>(bytes.data()), bytes.size()));
+    const auto m = restore_error(d);
+    CHECK(m.find("manifest.psx") != std::string::npos);
+    CHECK(m.find("written in checkpoint format 2; this psx reads formats 1 to 1") != std::string::npos);
+  }
+  SUBCASE("not a checkpoint at all") {
+    const fs::path d = fresh("garbage");
+    std::ofstream(d / "manifest.psx") << std::string(100, 'x');
+    CHECK(restore_error(d).find("not a psx checkpoint file (bad magic)") != std::string::npos);
+  }
+  SUBCASE("wrong shapes for the declared variables") {
+    const auto m = restore_error(good, 2, psx::dense("w", {kRows, kCols + 1}));
+    CHECK(m.find("variable 'w' has shape [7, 5], declared [7, 6]") != std::string::npos);
+  }
+  SUBCASE("a declared variable the checkpoint lacks") {
+    const auto m = restore_error(good, 2, psx::dense("w2", {kRows, kCols}));
+    CHECK(m.find("has no variable 'w2', which this program declares") != std::string::npos);
+  }
+}
+
+TEST_CASE("checkpoint: another optimizer's state is refused with both named") {
+  TempDir root("optimizer");
+  train(psx::optim::Adam{.lr = 0.01}, 2, 2, {}, root.path);
+  Cluster<psx::optim::SGD> ps({2, 1}, {}, {}, {});
+  declare(ps);
+  ps.run([&](psx::Worker& w) {
+    CHECK_THROWS_WITH_AS(psx::checkpoint::restore(ps, w, dir_of(root.path, 2)),
+                         doctest::Contains("keeps 2 slots per parameter, this program's 0"), psx::checkpoint_error);
+  });
+}
+
+TEST_CASE("checkpoint: Manager saves every N steps, keeps the last ones and resumes from the newest") {
+  Watchdog dog("manager");
+  TempDir root("manager");
+  using PS = Cluster<psx::optim::Adam>;
+  const psx::checkpoint::Options options{.directory = root.path, .every_steps = 4, .max_to_keep = 2};
+  {
+    PS ps({2, kWorkers}, {}, {}, {.lr = 0.01});
+    declare(ps);
+    psx::checkpoint::Manager<PS> ckpt(ps, options);
+    ps.run([&](psx::Worker& w) {
+      CHECK(ckpt.restore_or_init(w) == 0);
+      while (w.clock() < 13) {
+        train_step(w);
+        ckpt.maybe_save(w);
+      }
+    });
+    const auto all = ckpt.all();
+    REQUIRE(all.size() == 2);
+    CHECK(all[0].step == 8);
+    CHECK(all[1].step == 12);
+  }
+  // A new run resumes at 12 and reaches the state of a run that never stopped.
+  PS ps({3, kWorkers}, {}, {}, {.lr = 0.01});
+  declare(ps);
+  psx::checkpoint::Manager<PS> ckpt(ps, options);
+  ps.run([&](psx::Worker& w) {
+    CHECK(ckpt.restore_or_init(w) == 12);
+    while (w.clock() < 16) {
+      train_step(w);
+      ckpt.maybe_save(w);
+    }
+  });
+  TempDir straight("manager-straight");
+  train(psx::optim::Adam{.lr = 0.01}, 2, 16, {}, straight.path);
+  check_same_state(dir_of(straight.path, 16), dir_of(root.path, 16));
+}
