@@ -11,6 +11,8 @@ packages=(
   doctest-dev libbenchmark-dev               # tests and microbenchmarks
   util-linux procps iproute2 python3         # test tools: taskset, ps/pgrep, ip/ss (two-host
                                              # test), python3 (psx-launch --spec)
+  python3-numpy python3-pip                  # the export test reads .npz with numpy.load (and
+                                             # .safetensors with the PyPI package, when it installs)
 )
 sudo=""
 if [ "$(id -u)" -ne 0 ]; then sudo="sudo"; fi

@@ -73,6 +73,11 @@ struct WorkerAccess {
   }
   static void set_clock(Worker& w, std::uint64_t clock) { w.core_->clocks[w.index_] = clock; }
   static const std::vector<VariableInfo>& variables(const Worker& w) { return w.core_->variables; }
+  //! The whole variable, without waiting for the sync policy (as ParameterServer::read).
+  static void read(Worker& w, std::string_view name, std::span<float> out) {
+    const PullItem item{name, out};
+    w.read_async(std::span<const PullItem>(&item, 1)).wait();
+  }
 };
 
 }  // namespace detail
@@ -153,7 +158,7 @@ namespace fs = std::filesystem;
 
 inline constexpr char magic[8] = {'P', 'S', 'X', 'C', 'K', 'P', 'T', '\n'};
 inline constexpr std::size_t header_bytes = 64;
-enum class FileKind : std::uint32_t { manifest = 1, shards = 2 };
+enum class FileKind : std::uint32_t { manifest = 1, shards = 2, exported = 3 };
 inline constexpr const char* manifest_name = "manifest.psx";
 inline constexpr std::size_t max_name_bytes = 1 << 16;
 
@@ -332,7 +337,9 @@ inline std::array<std::byte, header_bytes> encode_header(Header& h) {
   return b;
 }
 
-inline const char* kind_name(FileKind k) { return k == FileKind::manifest ? "a manifest" : "a server's shard file"; }
+inline std::string kind_name(std::uint32_t k) {
+  return k == 1 ? "a manifest" : k == 2 ? "a server's shard file" : k == 3 ? "an export's model.psx" : "of unknown kind " + std::to_string(k);
+}
 
 // Checks the header of a file of `file_size` bytes; the rest is checked
 // against it by the caller.
@@ -350,9 +357,7 @@ inline Header decode_header(std::span<const std::byte> b, std::uint64_t file_siz
                    std::to_string(format_version) + " (a newer psx wrote it)");
   const auto kind = get<std::uint32_t>(b.data() + 12);
   if (kind != static_cast<std::uint32_t>(want))
-    fail(file, "is " + std::string(kind == 1 ? "a manifest" : kind == 2 ? "a server's shard file" : "of unknown kind " +
-                                                                                                      std::to_string(kind)) +
-                   ", expected " + kind_name(want));
+    fail(file, "is " + kind_name(kind) + ", expected " + kind_name(static_cast<std::uint32_t>(want)));
   h.kind = want;
   h.step = get<std::uint64_t>(b.data() + 16);
   h.meta_bytes = get<std::uint64_t>(b.data() + 24);
@@ -526,8 +531,7 @@ inline std::vector<IndexRecord> decode_index(std::span<const std::byte> meta, st
       fail(file, what + ": impossible rows [" + std::to_string(r.row_begin) + ", " + std::to_string(r.row_end) +
                      ") x " + std::to_string(r.width) + " with " + std::to_string(r.slots) + " slots");
     const std::uint64_t rows = r.row_end - r.row_begin;
-    if (rows > limit / r.width || (r.floats() * (r.slots + 1)) > limit / 4)
-      fail(file, what + ": a size that overflows");
+    if (rows > limit / r.width || r.floats() > limit / 4 / (r.slots + 1)) fail(file, what + ": a size that overflows");
     const std::uint64_t bytes = r.floats() * (r.slots + 1) * 4;
     if (r.offset > data_bytes || bytes > data_bytes - r.offset || r.offset % 4 != 0)
       fail(file, what + ": " + std::to_string(bytes) + " bytes at offset " + std::to_string(r.offset) +
@@ -605,8 +609,31 @@ inline DType parse_dtype(const std::string& s, const fs::path& file) {
   fail(file, "unknown dtype '" + s + "'");
 }
 
+// RapidJSON parses recursively: JSON nested deeper than any manifest is
+// refused before it is parsed, so that no file can exhaust the stack.
+inline void check_json_depth(std::span<const std::byte> json, const fs::path& file) {
+  constexpr int max_depth = 32;
+  int depth = 0;
+  bool in_string = false, escaped = false;
+  for (const std::byte b : json) {
+    const char c = static_cast<char>(b);
+    if (in_string) {
+      if (escaped) escaped = false;
+      else if (c == '\\') escaped = true;
+      else if (c == '"') in_string = false;
+    } else if (c == '"') {
+      in_string = true;
+    } else if (c == '[' || c == '{') {
+      if (++depth > max_depth) fail(file, "bad manifest: JSON nested deeper than " + std::to_string(max_depth) + " levels");
+    } else if (c == ']' || c == '}') {
+      --depth;
+    }
+  }
+}
+
 //! Parses and checks a manifest's JSON (the fuzz target calls this).
 inline Manifest decode_manifest(std::span<const std::byte> json, const Header& h, const fs::path& file) {
+  check_json_depth(json, file);
   Manifest m;
   try {
     MemoryBuf buf(json);

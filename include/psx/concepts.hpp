@@ -54,6 +54,8 @@ class SlotView {
   std::size_t size() const noexcept { return count_; }
   //! Slot `k`, aligned with the parameters being updated.
   std::span<float> operator[](std::size_t k) const noexcept { return {bases_[k] + offset_, length_}; }
+  //! The same view of the first `k` slots only (a wrapper's inner optimizer).
+  SlotView first(std::size_t k) const noexcept { return {bases_, k < count_ ? k : count_, offset_, length_}; }
 
  private:
   float* const* bases_ = nullptr;

@@ -95,6 +95,14 @@ inline void to_low(DType dtype, const float* src, std::uint16_t* dst, std::size_
     for (std::size_t i = 0; i < n; ++i) dst[i] = float16::from_float(src[i]).bits;
 }
 
+//! Converts `n` 16-bit values of `dtype` (bfloat16 or float16) to float, exactly.
+inline void from_low(DType dtype, const std::uint16_t* src, float* dst, std::size_t n) noexcept {
+  if (dtype == DType::bfloat16)
+    for (std::size_t i = 0; i < n; ++i) dst[i] = bfloat16{src[i]}.to_float();
+  else
+    for (std::size_t i = 0; i < n; ++i) dst[i] = float16{src[i]}.to_float();
+}
+
 }  // namespace detail
 }  // namespace v0
 }  // namespace psx

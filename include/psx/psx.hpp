@@ -18,6 +18,7 @@
 #include <psx/optim.hpp>
 #include <psx/parameter_server.hpp>
 #include <psx/partition.hpp>
+#include <psx/pruning.hpp>
 #include <psx/schedule.hpp>
 #include <psx/server.hpp>
 #include <psx/storage.hpp>

@@ -1,14 +1,23 @@
 // One task of a psx cluster over ZeroMQ, as a process: reads TF_CONFIG and
 // PSX_RENDEZVOUS, declares the test program's variables and runs it. The
 // chief then trains the same program on an in-process cluster and compares
-// the two bit for bit. Run by tests/zmq/multiprocess.sh through psx-launch.
+// the two bit for bit. Run through psx-launch by the zmq.* tests.
 //
 //   psx_zmq_node [--steps N] [--pause-ms MS] [--peer-timeout-ms MS]
+//                [--optimizer sgd|adam|ftrl] [--restore DIR] [--save ROOT]
+//   psx_zmq_node --compare DIR1 DIR2
+//
+// With --restore every task restores the checkpoint DIR first (the clock
+// starts at its step); with --save the cluster saves a checkpoint under
+// ROOT when it has trained; either skips the in-process comparison.
+// --compare checks that two checkpoints hold the same parameters and
+// optimizer slots, bit for bit, without a cluster.
 //
 // Exit status: 0 when the run (and, for the chief, the comparison) passed;
 // 1 when the parameters differ; 3 when a psx error ended the run (printed).
 #include "program.hpp"
 
+#include <psx/checkpoint.hpp>
 #include <psx/psx.hpp>
 #include <psx/transport/zmq.hpp>
 
@@ -22,58 +31,91 @@
 
 namespace {
 
-using Policies = psx::ParameterServer<psx::partition::RowRange, psx::sync::Synchronous, psx::optim::SGD,
-                                      psx::transport::Zmq>;
+struct Flags {
+  int steps = psx_zmq_test::steps;
+  int pause_ms = 0;
+  long peer_timeout_ms = 20000;
+  std::string optimizer = "sgd", restore, save;
+};
+
+int compare(const char* a, const char* b) {
+  for (const auto& name : psx_zmq_test::names()) {
+    const auto x = psx::checkpoint::load_variable(a, name), y = psx::checkpoint::load_variable(b, name);
+    if (x.values.size() != y.values.size() || x.slots.size() != y.slots.size() || x.version != y.version ||
+        std::memcmp(x.values.data(), y.values.data(), x.values.size() * sizeof(float)) != 0 ||
+        std::memcmp(x.slots.data(), y.slots.data(), x.slots.size() * sizeof(float)) != 0) {
+      std::printf("compare: variable %s differs (parameters or optimizer slots)\n", name.c_str());
+      return 1;
+    }
+  }
+  std::printf("compare: %s and %s hold the same parameters and optimizer slots, bit for bit\n", a, b);
+  return 0;
+}
+
+template <class O>
+int run(const Flags& f, const O& optimizer) {
+  using Policies = psx::ParameterServer<psx::partition::RowRange, psx::sync::Synchronous, O, psx::transport::Zmq>;
+  auto z = psx::transport::Zmq::from_env();
+  const std::string role = z.tf.task.type + " " + std::to_string(z.tf.task.index);
+  psx::ClusterConfig config{z.tf.cluster.num_servers(), z.tf.cluster.num_workers(),
+                            std::chrono::milliseconds(f.peer_timeout_ms)};
+  std::map<std::string, std::vector<float>> trained;
+  {
+    Policies cluster(config, {}, {}, optimizer, z);
+    psx_zmq_test::declare(cluster);
+    cluster.run([&](psx::Worker& w) {
+      if (!f.restore.empty()) psx::checkpoint::restore(cluster, w, f.restore);
+      psx_zmq_test::train_for(w, f.steps, [&] {
+        if (f.pause_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(f.pause_ms));
+      });
+      if (!f.save.empty()) {
+        const auto info = psx::checkpoint::save(cluster, w, f.save);
+        if (w.is_chief()) std::printf("%s: saved %s\n", role.c_str(), info.path.c_str());
+      }
+    });
+    if (z.tf.task.type == "chief") trained = psx_zmq_test::read_all(cluster);
+    std::printf("%s: done\n", role.c_str());
+  }
+  if (z.tf.task.type != "chief" || !f.restore.empty() || !f.save.empty()) return 0;
+  psx::ParameterServer<psx::partition::RowRange, psx::sync::Synchronous, O> local(
+      psx::ClusterConfig{config.num_servers, config.num_workers}, {}, {}, optimizer);
+  psx_zmq_test::declare(local);
+  local.run([&](psx::Worker& w) { psx_zmq_test::train_for(w, f.steps, [] {}); });
+  for (const auto& [name, values] : trained) {
+    const auto expected = local.read(name);
+    if (expected.size() != values.size() ||
+        std::memcmp(expected.data(), values.data(), values.size() * sizeof(float)) != 0) {
+      std::printf("chief: variable %s differs from the in-process cluster\n", name.c_str());
+      return 1;
+    }
+  }
+  std::printf("chief: %zu servers, %zu workers, %d steps: parameters bit-identical to the in-process cluster\n",
+              config.num_servers, config.num_workers, f.steps);
+  return 0;
+}
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  int steps = psx_zmq_test::steps;
-  int pause_ms = 0;
-  long peer_timeout_ms = 20000;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string flag = argv[i];
-    if (flag == "--steps") steps = std::atoi(argv[i + 1]);
-    else if (flag == "--pause-ms") pause_ms = std::atoi(argv[i + 1]);
-    else if (flag == "--peer-timeout-ms") peer_timeout_ms = std::atol(argv[i + 1]);
-    else {
-      std::fprintf(stderr, "psx_zmq_node: unknown flag %s\n", argv[i]);
-      return 2;
-    }
-  }
+  Flags f;
   try {
-    auto z = psx::transport::Zmq::from_env();
-    const std::string role = z.tf.task.type + " " + std::to_string(z.tf.task.index);
-    psx::ClusterConfig config{z.tf.cluster.num_servers(), z.tf.cluster.num_workers(),
-                              std::chrono::milliseconds(peer_timeout_ms)};
-    std::map<std::string, std::vector<float>> trained;
-    {
-      Policies cluster(config, {}, {}, psx::optim::SGD{0.05f}, z);
-      psx_zmq_test::declare(cluster);
-      cluster.run([&](psx::Worker& w) {
-        psx_zmq_test::train_for(w, steps, [&] {
-          if (pause_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(pause_ms));
-        });
-      });
-      if (z.tf.task.type == "chief") trained = psx_zmq_test::read_all(cluster);
-      std::printf("%s: done\n", role.c_str());
-    }
-    if (z.tf.task.type != "chief") return 0;
-    psx::ParameterServer<psx::partition::RowRange, psx::sync::Synchronous, psx::optim::SGD> local(
-        psx::ClusterConfig{config.num_servers, config.num_workers}, {}, {}, psx::optim::SGD{0.05f});
-    psx_zmq_test::declare(local);
-    local.run([&](psx::Worker& w) { psx_zmq_test::train_for(w, steps, [] {}); });
-    for (const auto& [name, values] : trained) {
-      const auto expected = local.read(name);
-      if (expected.size() != values.size() ||
-          std::memcmp(expected.data(), values.data(), values.size() * sizeof(float)) != 0) {
-        std::printf("chief: variable %s differs from the in-process cluster\n", name.c_str());
-        return 1;
+    if (argc == 4 && std::string(argv[1]) == "--compare") return compare(argv[2], argv[3]);
+    for (int i = 1; i + 1 < argc; i += 2) {
+      const std::string flag = argv[i];
+      if (flag == "--steps") f.steps = std::atoi(argv[i + 1]);
+      else if (flag == "--pause-ms") f.pause_ms = std::atoi(argv[i + 1]);
+      else if (flag == "--peer-timeout-ms") f.peer_timeout_ms = std::atol(argv[i + 1]);
+      else if (flag == "--optimizer") f.optimizer = argv[i + 1];
+      else if (flag == "--restore") f.restore = argv[i + 1];
+      else if (flag == "--save") f.save = argv[i + 1];
+      else {
+        std::fprintf(stderr, "psx_zmq_node: unknown flag %s\n", argv[i]);
+        return 2;
       }
     }
-    std::printf("chief: %zu servers, %zu workers, %d steps: parameters bit-identical to the in-process cluster\n",
-                config.num_servers, config.num_workers, steps);
-    return 0;
+    if (f.optimizer == "adam") return run(f, psx::optim::Adam{.lr = 0.01});
+    if (f.optimizer == "ftrl") return run(f, psx::optim::Ftrl{.lr = 0.05, .l1 = 0.001, .l2 = 0.001});
+    return run(f, psx::optim::SGD{0.05f});
   } catch (const psx::error& e) {
     std::printf("psx error: %s\n", e.what());
     return 3;

@@ -36,12 +36,15 @@ inline float grad(float value, std::size_t worker, int step, std::size_t i) {
   return 0.1f * value + std::sin(static_cast<float>(worker * 31 + static_cast<std::size_t>(step) * 7 + i) * 0.01f);
 }
 
-// `pause` is a callback between steps (the fault tests slow a worker down).
+// Trains until the worker's clock reaches `n` (from a restored checkpoint's
+// step, or 0); the data of step t depends on t only, so a resumed run sees
+// what an uninterrupted one does. `pause` is a callback between steps (the
+// fault tests slow a worker down).
 template <class Pause>
 void train_for(psx::Worker& w, int n, Pause&& pause) {
   std::vector<float> dense(dense_size), g(dense_size), b(3), gb(3);
   std::vector<std::uint64_t> ids;
-  for (int t = 0; t < n; ++t) {
+  for (int t = static_cast<int>(w.clock()); t < n; ++t) {
     pause();
     w.pull("w", dense);
     w.pull("b", b);

@@ -1,9 +1,10 @@
 //! @file psx/detail/crc32c.hpp
 //! CRC-32C (Castagnoli, reflected polynomial 0x82F63B78), the checksum of
-//! psx's checkpoint files and of TFRecord/TensorBoard event files. Uses the
-//! SSE4.2 `crc32` instruction where the CPU has it, a slicing-by-8 table
-//! otherwise; both give the same value. None of psx's dependencies exports
-//! a CRC-32C, so it is written here (about 60 lines).
+//! psx's checkpoint files and of TFRecord/TensorBoard event files, and
+//! CRC-32 (IEEE 802.3, reflected 0xEDB88320), the checksum of zip members
+//! (the .npz export). CRC-32C uses the SSE4.2 `crc32` instruction where the
+//! CPU has it, a slicing-by-8 table otherwise; both give the same value.
+//! None of psx's dependencies exports these, so they are written here.
 #pragma once
 
 #include <array>
@@ -16,12 +17,13 @@ namespace psx {
 inline namespace v0 {
 namespace detail {
 
-inline const std::array<std::array<std::uint32_t, 256>, 8>& crc32c_tables() noexcept {
+template <std::uint32_t Poly = 0x82F63B78u>
+const std::array<std::array<std::uint32_t, 256>, 8>& crc32_tables() noexcept {
   static const auto tables = [] {
     std::array<std::array<std::uint32_t, 256>, 8> t{};
     for (std::uint32_t i = 0; i < 256; ++i) {
       std::uint32_t c = i;
-      for (int k = 0; k < 8; ++k) c = (c >> 1) ^ (0x82F63B78u & (0u - (c & 1u)));
+      for (int k = 0; k < 8; ++k) c = (c >> 1) ^ (Poly & (0u - (c & 1u)));
       t[0][i] = c;
     }
     for (std::size_t s = 1; s < 8; ++s)
@@ -32,8 +34,9 @@ inline const std::array<std::array<std::uint32_t, 256>, 8>& crc32c_tables() noex
 }
 
 // Continues `crc` (the raw register, not inverted) over `n` bytes at `p`.
-inline std::uint32_t crc32c_table(std::uint32_t crc, const unsigned char* p, std::size_t n) noexcept {
-  const auto& t = crc32c_tables();
+template <std::uint32_t Poly = 0x82F63B78u>
+std::uint32_t crc32_table(std::uint32_t crc, const unsigned char* p, std::size_t n) noexcept {
+  const auto& t = crc32_tables<Poly>();
   for (; n >= 8; n -= 8, p += 8) {
     std::uint64_t w;
     std::memcpy(&w, p, 8);  // little-endian hosts only (psx's files are little-endian)
@@ -66,16 +69,21 @@ inline std::uint32_t crc32c(std::span<const std::byte> bytes, std::uint32_t crc 
   std::uint32_t c = ~crc;
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
   static const bool hardware = __builtin_cpu_supports("sse4.2");
-  c = hardware ? crc32c_sse42(c, p, bytes.size()) : crc32c_table(c, p, bytes.size());
+  c = hardware ? crc32c_sse42(c, p, bytes.size()) : crc32_table(c, p, bytes.size());
 #else
-  c = crc32c_table(c, p, bytes.size());
+  c = crc32_table(c, p, bytes.size());
 #endif
   return ~c;
 }
 
 //! The table version alone (tests compare the two).
 inline std::uint32_t crc32c_portable(std::span<const std::byte> bytes, std::uint32_t crc = 0) noexcept {
-  return ~crc32c_table(~crc, reinterpret_cast<const unsigned char*>(bytes.data()), bytes.size());
+  return ~crc32_table(~crc, reinterpret_cast<const unsigned char*>(bytes.data()), bytes.size());
+}
+
+//! CRC-32 (IEEE, zip's and zlib's `crc32`), extending `crc` over `bytes`.
+inline std::uint32_t crc32_ieee(std::span<const std::byte> bytes, std::uint32_t crc = 0) noexcept {
+  return ~crc32_table<0xEDB88320u>(~crc, reinterpret_cast<const unsigned char*>(bytes.data()), bytes.size());
 }
 
 }  // namespace detail

@@ -1,0 +1,713 @@
+//! @file psx/export.hpp
+//! Export for inference: parameters only (trainable and frozen, no optimizer
+//! slots) with metadata, in a versioned directory `base/<version>/` that
+//! appears whole (written under a temporary name, renamed), the layout
+//! TensorFlow Serving watches. Each version holds the same tensors three
+//! ways: `model.psx` (psx's own, checksummed; what `load_export` reads),
+//! `model.npz` (`numpy.load`) and `model.safetensors` (the `safetensors`
+//! package), plus `metadata.json`. The formats are in docs/formats.md.
+//!
+//! Options: float16/bfloat16, int8 symmetric quantization per tensor or per
+//! output channel (row) with the scales stored, and sparse storage of
+//! tensors that are mostly zeros (pruned ones, psx/pruning.hpp).
+//!
+//! @code
+//! psx::ExportOptions options{.base = "export", .precision = psx::ExportPrecision::int8_per_channel};
+//! options.signature = {.method = "predict", .inputs = {{"x", "float32", {-1, 784}}}, .outputs = {{"logits", "float32", {-1, 10}}}};
+//! const auto dir = psx::export_model(ps, w, options);  // collective, like a checkpoint save
+//! const psx::Export model = psx::load_export(dir, {.dequantize = true});
+//! @endcode
+#pragma once
+
+#include <psx/checkpoint.hpp>
+#include <psx/detail/crc32c.hpp>
+#include <psx/errors.hpp>
+#include <psx/half.hpp>
+#include <psx/quantize.hpp>
+#include <psx/sync.hpp>
+#include <psx/variable.hpp>
+#include <psx/worker.hpp>
+
+#include <cereal/archives/json.hpp>
+#include <cereal/archives/portable_binary.hpp>
+#include <cereal/types/string.hpp>
+#include <cereal/types/vector.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <filesystem>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <vector>
+
+namespace psx {
+inline namespace v0 {
+
+//! How exported tensors are stored.
+enum class ExportPrecision : std::uint8_t {
+  float32,
+  float16,
+  bfloat16,
+  int8,              //!< symmetric, one scale per tensor (psx/quantize.hpp)
+  int8_per_channel,  //!< symmetric, one scale per row (output channel of a [out, in] weight); rank < 2: per tensor
+};
+
+//! A tensor of a signature: name, dtype and shape (-1: any size).
+struct TensorSpec {
+  std::string name;
+  std::string dtype = "float32";
+  std::vector<std::int64_t> shape;
+  template <class Ar>
+  void serialize(Ar& ar) {
+    ar(CEREAL_NVP(name), CEREAL_NVP(dtype), CEREAL_NVP(shape));
+  }
+  friend bool operator==(const TensorSpec&, const TensorSpec&) = default;
+};
+
+//! What the exported model computes, for whoever serves it (as a
+//! SavedModel's signature_def: a method name, named inputs and outputs).
+struct Signature {
+  std::string method = "predict";
+  std::vector<TensorSpec> inputs;
+  std::vector<TensorSpec> outputs;
+  template <class Ar>
+  void serialize(Ar& ar) {
+    ar(CEREAL_NVP(method), CEREAL_NVP(inputs), CEREAL_NVP(outputs));
+  }
+  friend bool operator==(const Signature&, const Signature&) = default;
+};
+
+struct ExportOptions {
+  //! The base directory; the export goes into `base/<version>/`.
+  std::filesystem::path base;
+  //! The version directory's number; by default the global step. An existing
+  //! version is never overwritten (checkpoint_error).
+  std::optional<std::uint64_t> version;
+  ExportPrecision precision = ExportPrecision::float32;
+  //! Variables (glob patterns) kept in float32 whatever `precision` says (biases, say).
+  std::vector<std::string> keep_float32;
+  //! Tensors with at least this fraction of zero elements (as stored) are
+  //! stored sparsely: flat indices of the others, and their values. Above 1: never.
+  double sparse_above = 0.5;
+  Signature signature;
+  //! Variables exported (glob patterns); empty: every variable.
+  std::vector<std::string> variables;
+  bool npz = true;
+  bool safetensors = true;
+};
+
+//! One exported tensor, as stored.
+struct ExportedTensor {
+  std::string name;
+  std::vector<std::uint64_t> shape;
+  std::string dtype = "float32";     //!< "float32", "float16", "bfloat16" or "int8"
+  std::string quantization = "none"; //!< "none", "per_tensor" or "per_channel"
+  std::vector<float> scales;         //!< int8: one, or one per row
+  bool trainable = true;
+  bool sparse = false;
+  std::vector<std::uint64_t> indices;  //!< sparse: increasing flat positions of the stored elements
+  std::vector<std::byte> values;       //!< every element (dense) or the stored ones (sparse), in `dtype`
+
+  std::uint64_t elements() const noexcept {
+    std::uint64_t n = 1;
+    for (auto e : shape) n *= e;
+    return n;
+  }
+  //! Floats per row (int8 per-channel groups): the product of all but the first extent.
+  std::uint64_t row_width() const noexcept { return shape.size() < 2 ? elements() : elements() / std::max<std::uint64_t>(shape[0], 1); }
+  //! The tensor as dense float32 (int8 dequantized, 16-bit widened, zeros filled in).
+  std::vector<float> to_float() const;
+};
+
+//! What `metadata.json` says, and `load_export` returns.
+struct ExportMetadata {
+  std::uint32_t format_version = 1;
+  std::uint64_t step = 0;
+  std::uint64_t version = 0;
+  std::int64_t created_unix = 0;
+  Signature signature;
+  struct Tensor {
+    std::string name;
+    std::vector<std::uint64_t> shape;
+    std::string dtype, quantization;
+    bool trainable = true;
+    bool sparse = false;
+    std::uint64_t stored = 0;  //!< elements stored (all, or the nonzeros)
+    template <class Ar>
+    void serialize(Ar& ar) {
+      ar(CEREAL_NVP(name), CEREAL_NVP(shape), CEREAL_NVP(dtype), CEREAL_NVP(quantization), CEREAL_NVP(trainable),
+         CEREAL_NVP(sparse), CEREAL_NVP(stored));
+    }
+  };
+  std::vector<Tensor> tensors;
+  std::vector<std::string> files;
+  template <class Ar>
+  void serialize(Ar& ar) {
+    ar(CEREAL_NVP(format_version), CEREAL_NVP(step), CEREAL_NVP(version), CEREAL_NVP(created_unix),
+       CEREAL_NVP(signature), CEREAL_NVP(tensors), CEREAL_NVP(files));
+  }
+};
+
+//! A loaded export.
+struct Export {
+  std::filesystem::path path;
+  ExportMetadata metadata;
+  std::vector<ExportedTensor> tensors;
+  //! The tensor `name`; throws psx::unknown_variable.
+  const ExportedTensor& operator[](std::string_view name) const;
+};
+
+struct LoadOptions {
+  //! Return every tensor as dense float32 (int8 dequantized).
+  bool dequantize = false;
+};
+
+namespace detail::exports {
+
+namespace fs = std::filesystem;
+namespace ck = ::psx::checkpoint::detail;
+
+inline constexpr std::uint32_t format_version = 1;
+
+inline std::size_t dtype_bytes(const std::string& d) { return d == "float32" ? 4 : d == "int8" ? 1 : 2; }
+
+// A variable's values, as read from the cluster or a checkpoint.
+struct Source {
+  std::string name;
+  std::vector<std::uint64_t> shape;
+  bool trainable = true;
+  std::vector<float> values;
+};
+
+inline bool matches(const std::vector<std::string>& patterns, const std::string& name) {
+  return std::any_of(patterns.begin(), patterns.end(),
+                     [&](const std::string& p) { return ::psx::sync::detail::glob_match(p, name); });
+}
+
+inline bool is_zero(const ExportedTensor& t, std::size_t i) {
+  const std::byte* p = t.values.data() + i * dtype_bytes(t.dtype);
+  if (t.dtype == "float32") return (ck::get<std::uint32_t>(p) & 0x7fffffffu) == 0;
+  if (t.dtype == "int8") return static_cast<std::int8_t>(*p) == 0;
+  return (ck::get<std::uint16_t>(p) & 0x7fffu) == 0;
+}
+
+inline ExportedTensor convert(const Source& s, const ExportOptions& o) {
+  ExportedTensor t;
+  t.name = s.name;
+  t.shape = s.shape;
+  t.trainable = s.trainable;
+  const std::size_t n = s.values.size();
+  const ExportPrecision p = matches(o.keep_float32, s.name) ? ExportPrecision::float32 : o.precision;
+  switch (p) {
+    case ExportPrecision::float32:
+      t.values.resize(n * 4);
+      std::memcpy(t.values.data(), s.values.data(), n * 4);
+      break;
+    case ExportPrecision::float16:
+    case ExportPrecision::bfloat16: {
+      t.dtype = p == ExportPrecision::float16 ? "float16" : "bfloat16";
+      std::vector<std::uint16_t> bits(n);
+      ::psx::detail::to_low(p == ExportPrecision::float16 ? DType::float16 : DType::bfloat16, s.values.data(),
+                            bits.data(), n);
+      t.values.resize(n * 2);
+      std::memcpy(t.values.data(), bits.data(), n * 2);
+      break;
+    }
+    case ExportPrecision::int8:
+    case ExportPrecision::int8_per_channel: {
+      const bool per_channel = p == ExportPrecision::int8_per_channel && s.shape.size() >= 2;
+      const std::size_t rows = per_channel ? s.shape[0] : 1;
+      const auto q = quantize_int8(s.values, rows, rows ? n / rows : 0, per_channel);
+      t.dtype = "int8";
+      t.quantization = per_channel ? "per_channel" : "per_tensor";
+      t.scales = q.scales;
+      t.values.resize(n);
+      std::memcpy(t.values.data(), q.values.data(), n);
+      break;
+    }
+  }
+  // Mostly zeros: keep the others only.
+  std::size_t zeros = 0;
+  for (std::size_t i = 0; i < n; ++i) zeros += is_zero(t, i);
+  if (n > 0 && static_cast<double>(zeros) >= o.sparse_above * static_cast<double>(n)) {
+    const std::size_t e = dtype_bytes(t.dtype);
+    std::vector<std::byte> kept;
+    kept.reserve((n - zeros) * e);
+    for (std::size_t i = 0; i < n; ++i)
+      if (!is_zero(t, i)) {
+        t.indices.push_back(i);
+        kept.insert(kept.end(), t.values.begin() + static_cast<std::ptrdiff_t>(i * e),
+                    t.values.begin() + static_cast<std::ptrdiff_t>((i + 1) * e));
+      }
+    t.values = std::move(kept);
+    t.sparse = true;
+  }
+  return t;
+}
+
+// -- model.psx: the checkpoint envelope, kind 3 ------------------------------------
+
+inline std::string encode_index(const std::vector<ExportedTensor>& tensors, std::uint64_t& data_bytes) {
+  std::ostringstream os;
+  data_bytes = 0;
+  {
+    cereal::PortableBinaryOutputArchive ar(os, cereal::PortableBinaryOutputArchive::Options::LittleEndian());
+    ar(static_cast<std::uint64_t>(tensors.size()));
+    for (const ExportedTensor& t : tensors) {
+      std::string name = t.name, dtype = t.dtype, quant = t.quantization;
+      ar(ck::BoundedString{&name}, ck::BoundedString{&dtype}, ck::BoundedString{&quant},
+         static_cast<std::uint64_t>(t.shape.size()));
+      for (auto e : t.shape) ar(e);
+      ar(static_cast<std::uint64_t>(t.scales.size()));
+      for (float s : t.scales) ar(s);
+      ar(t.trainable, t.sparse, static_cast<std::uint64_t>(t.indices.size()), static_cast<std::uint64_t>(t.values.size()));
+      data_bytes += t.indices.size() * 8 + t.values.size();
+    }
+  }
+  return std::move(os).str();
+}
+
+//! Parses a model.psx index and takes each tensor's bytes from `data`;
+//! throws checkpoint_error (the fuzz target calls this).
+inline std::vector<ExportedTensor> decode_model(std::span<const std::byte> meta, std::span<const std::byte> data,
+                                                const fs::path& file) {
+  std::vector<ExportedTensor> out;
+  std::uint64_t at = 0;
+  auto bounded = [&](std::uint64_t n, std::uint64_t each, const char* what) {
+    if (n > meta.size() / each) ck::fail(file, "its index claims " + std::to_string(n) + " " + what + ", more than it can hold");
+  };
+  try {
+    ck::MemoryBuf buf(meta);
+    std::istream is(&buf);
+    cereal::PortableBinaryInputArchive ar(is, cereal::PortableBinaryInputArchive::Options::LittleEndian());
+    std::uint64_t count = 0;
+    ar(count);
+    bounded(count, 40, "tensors");
+    out.resize(count);
+    for (ExportedTensor& t : out) {
+      std::uint64_t rank = 0, scales = 0, indices = 0, bytes = 0;
+      ar(ck::BoundedString{&t.name}, ck::BoundedString{&t.dtype}, ck::BoundedString{&t.quantization}, rank);
+      bounded(rank, 8, "extents");
+      t.shape.resize(rank);
+      for (auto& e : t.shape) ar(e);
+      ar(scales);
+      bounded(scales, 4, "scales");
+      t.scales.resize(scales);
+      for (float& s : t.scales) ar(s);
+      ar(t.trainable, t.sparse, indices, bytes);
+      const std::string what = "tensor '" + t.name + "'";
+      if (t.dtype != "float32" && t.dtype != "float16" && t.dtype != "bfloat16" && t.dtype != "int8")
+        ck::fail(file, what + ": unknown dtype '" + t.dtype + "'");
+      std::uint64_t elements = 1;
+      for (auto e : t.shape) {
+        if (e != 0 && elements > (std::uint64_t{1} << 60) / e) ck::fail(file, what + ": a shape that overflows");
+        elements *= e;
+      }
+      const std::uint64_t e = dtype_bytes(t.dtype);
+      const std::uint64_t stored = t.sparse ? indices : elements;
+      if (indices > data.size() / 8 || (!t.sparse && indices != 0) || stored > elements ||
+          bytes != stored * e || at > data.size() || indices * 8 + bytes > data.size() - at)
+        ck::fail(file, what + ": " + std::to_string(indices) + " indices and " + std::to_string(bytes) +
+                           " bytes do not fit its shape or the data part");
+      const bool q = t.dtype == "int8";
+      const std::uint64_t groups = t.quantization == "per_channel" ? (t.shape.empty() ? 1 : t.shape[0]) : 1;
+      if (q != (t.quantization != "none") || (q && scales != groups) || (!q && scales != 0) ||
+          (t.quantization != "none" && t.quantization != "per_tensor" && t.quantization != "per_channel"))
+        ck::fail(file, what + ": quantization '" + t.quantization + "' with " + std::to_string(scales) + " scales for " +
+                           t.dtype);
+      t.indices.resize(indices);
+      std::memcpy(t.indices.data(), data.data() + at, indices * 8);
+      for (std::size_t i = 0; i < indices; ++i)
+        if (t.indices[i] >= elements || (i > 0 && t.indices[i] <= t.indices[i - 1]))
+          ck::fail(file, what + ": sparse indices out of order or beyond its " + std::to_string(elements) + " elements");
+      at += indices * 8;
+      t.values.assign(data.begin() + static_cast<std::ptrdiff_t>(at), data.begin() + static_cast<std::ptrdiff_t>(at + bytes));
+      at += bytes;
+    }
+    if (is.rdbuf()->in_avail() != 0) ck::fail(file, "bytes after its index");
+  } catch (const checkpoint_error&) {
+    throw;
+  } catch (const std::exception& e) {
+    ck::fail(file, std::string("bad index: ") + e.what());
+  }
+  if (at != data.size()) ck::fail(file, std::to_string(data.size() - at) + " data bytes no tensor claims");
+  return out;
+}
+
+inline void write_model(const fs::path& file, const std::vector<ExportedTensor>& tensors, std::uint64_t step) {
+  ck::Header h;
+  h.version = format_version;
+  h.kind = ck::FileKind::exported;
+  h.step = step;
+  const std::string index = encode_index(tensors, h.data_bytes);
+  h.meta_bytes = index.size();
+  h.meta_crc = ::psx::detail::crc32c(std::as_bytes(std::span(index)));
+  std::uint32_t crc = 0;
+  for (const ExportedTensor& t : tensors) {
+    crc = ::psx::detail::crc32c(std::as_bytes(std::span(t.indices)), crc);
+    crc = ::psx::detail::crc32c(t.values, crc);
+  }
+  h.data_crc = crc;
+  ck::AtomicFile out(file);
+  out.write(ck::encode_header(h));
+  out.write(std::as_bytes(std::span(index)));
+  for (const ExportedTensor& t : tensors) {
+    out.write(std::as_bytes(std::span(t.indices)));
+    out.write(t.values);
+  }
+  out.commit();
+}
+
+// -- model.npz: a zip (stored) of .npy arrays ----------------------------------------
+
+inline std::string npy_header(const char* descr, const std::vector<std::uint64_t>& shape) {
+  std::string dict = std::string("{'descr': '") + descr + "', 'fortran_order': False, 'shape': (";
+  for (std::size_t i = 0; i < shape.size(); ++i) dict += std::to_string(shape[i]) + (shape.size() == 1 ? "," : i + 1 < shape.size() ? ", " : "");
+  dict += "), }";
+  std::size_t total = 10 + dict.size() + 1;  // magic, version, length, dict, newline
+  dict.append((64 - total % 64) % 64, ' ');
+  dict += '\n';
+  std::string out("\x93NUMPY\x01\x00", 8);
+  const auto len = static_cast<std::uint16_t>(dict.size());
+  out += static_cast<char>(len & 0xff);
+  out += static_cast<char>(len >> 8);
+  return out + dict;
+}
+
+class ZipWriter {
+ public:
+  explicit ZipWriter(const fs::path& file) : out_(file), file_(file) {}
+  void add(const std::string& name, const std::string& head, std::span<const std::byte> body) {
+    const std::uint64_t size = head.size() + body.size();
+    if (size > 0xfffffffeu || offset_ + size + 30 + name.size() > 0xfffffffeu)
+      ck::fail(file_, "an .npz over 4 GiB needs ZIP64, which psx does not write; export safetensors or model.psx");
+    std::uint32_t crc = ::psx::detail::crc32_ieee(std::as_bytes(std::span(head)));
+    crc = ::psx::detail::crc32_ieee(body, crc);
+    std::string local;
+    put32(local, 0x04034b50);
+    put16(local, 20);  // version needed
+    put16(local, 0);   // flags
+    put16(local, 0);   // stored
+    put16(local, 0);   // time
+    put16(local, 0x21);  // date: 1980-01-01
+    put32(local, crc);
+    put32(local, static_cast<std::uint32_t>(size));
+    put32(local, static_cast<std::uint32_t>(size));
+    put16(local, static_cast<std::uint16_t>(name.size()));
+    put16(local, 0);
+    local += name;
+    std::string central;
+    put32(central, 0x02014b50);
+    put16(central, 20);
+    put16(central, 20);
+    put16(central, 0);
+    put16(central, 0);
+    put16(central, 0);
+    put16(central, 0x21);
+    put32(central, crc);
+    put32(central, static_cast<std::uint32_t>(size));
+    put32(central, static_cast<std::uint32_t>(size));
+    put16(central, static_cast<std::uint16_t>(name.size()));
+    put16(central, 0);  // extra
+    put16(central, 0);  // comment
+    put16(central, 0);  // disk
+    put16(central, 0);  // internal attributes
+    put32(central, 0);  // external attributes
+    put32(central, static_cast<std::uint32_t>(offset_));
+    central += name;
+    directory_ += central;
+    out_.write(std::as_bytes(std::span(local)));
+    out_.write(std::as_bytes(std::span(head)));
+    out_.write(body);
+    offset_ += local.size() + size;
+    ++entries_;
+  }
+  void finish() {
+    std::string end;
+    put32(end, 0x06054b50);
+    put16(end, 0);
+    put16(end, 0);
+    put16(end, static_cast<std::uint16_t>(entries_));
+    put16(end, static_cast<std::uint16_t>(entries_));
+    put32(end, static_cast<std::uint32_t>(directory_.size()));
+    put32(end, static_cast<std::uint32_t>(offset_));
+    put16(end, 0);
+    out_.write(std::as_bytes(std::span(directory_)));
+    out_.write(std::as_bytes(std::span(end)));
+    out_.commit();
+  }
+
+ private:
+  static void put16(std::string& s, std::uint16_t v) { s.append(reinterpret_cast<const char*>(&v), 2); }
+  static void put32(std::string& s, std::uint32_t v) { s.append(reinterpret_cast<const char*>(&v), 4); }
+  ck::AtomicFile out_;
+  fs::path file_;
+  std::string directory_;
+  std::uint64_t offset_ = 0;
+  std::size_t entries_ = 0;
+};
+
+inline const char* npy_descr(const std::string& dtype) {
+  return dtype == "float32" ? "<f4" : dtype == "float16" ? "<f2" : dtype == "int8" ? "|i1" : "<u2";  // bfloat16: its bits
+}
+
+inline void write_npz(const fs::path& file, const std::vector<ExportedTensor>& tensors) {
+  ZipWriter zip(file);
+  for (const ExportedTensor& t : tensors) {
+    const std::vector<std::uint64_t> stored = t.sparse ? std::vector<std::uint64_t>{t.indices.size()} : t.shape;
+    zip.add(t.name + (t.sparse ? ".values" : "") + ".npy", npy_header(npy_descr(t.dtype), stored), t.values);
+    if (t.sparse) {
+      zip.add(t.name + ".indices.npy", npy_header("<u8", {t.indices.size()}), std::as_bytes(std::span(t.indices)));
+      zip.add(t.name + ".shape.npy", npy_header("<u8", {t.shape.size()}), std::as_bytes(std::span(t.shape)));
+    }
+    if (!t.scales.empty())
+      zip.add(t.name + ".scale.npy", npy_header("<f4", {t.scales.size()}), std::as_bytes(std::span(t.scales)));
+  }
+  zip.finish();
+}
+
+// -- model.safetensors ----------------------------------------------------------------
+
+inline std::string json_string(const std::string& s) {
+  std::string out = "\"";
+  for (const char c : s) {
+    if (c == '"' || c == '\\') out += '\\', out += c;
+    else if (static_cast<unsigned char>(c) < 0x20) {
+      char buf[8];
+      std::snprintf(buf, sizeof buf, "\\u%04x", static_cast<unsigned>(static_cast<unsigned char>(c)));
+      out += buf;
+    } else out += c;
+  }
+  return out + "\"";
+}
+
+inline void write_safetensors(const fs::path& file, const std::vector<ExportedTensor>& tensors,
+                              const std::string& metadata_json) {
+  struct Entry {
+    std::string name, dtype;
+    std::vector<std::uint64_t> shape;
+    std::span<const std::byte> bytes;
+  };
+  std::vector<Entry> entries;
+  auto st = [](const std::string& d) { return d == "float32" ? "F32" : d == "float16" ? "F16" : d == "int8" ? "I8" : "BF16"; };
+  for (const ExportedTensor& t : tensors) {
+    if (t.sparse) {
+      entries.push_back({t.name + ".values", st(t.dtype), {t.indices.size()}, t.values});
+      entries.push_back({t.name + ".indices", "U64", {t.indices.size()}, std::as_bytes(std::span(t.indices))});
+      entries.push_back({t.name + ".shape", "U64", {t.shape.size()}, std::as_bytes(std::span(t.shape))});
+    } else {
+      entries.push_back({t.name, st(t.dtype), t.shape, t.values});
+    }
+    if (!t.scales.empty()) entries.push_back({t.name + ".scale", "F32", {t.scales.size()}, std::as_bytes(std::span(t.scales))});
+  }
+  std::string head = "{\"__metadata__\":{\"psx\":" + json_string(metadata_json) + "}";
+  std::uint64_t at = 0;
+  for (const Entry& e : entries) {
+    head += "," + json_string(e.name) + ":{\"dtype\":\"" + e.dtype + "\",\"shape\":[";
+    for (std::size_t i = 0; i < e.shape.size(); ++i) head += (i ? "," : "") + std::to_string(e.shape[i]);
+    head += "],\"data_offsets\":[" + std::to_string(at) + "," + std::to_string(at + e.bytes.size()) + "]}";
+    at += e.bytes.size();
+  }
+  head += "}";
+  head.append((8 - head.size() % 8) % 8, ' ');
+  ck::AtomicFile out(file);
+  const std::uint64_t n = head.size();
+  out.write(std::as_bytes(std::span(&n, 1)));
+  out.write(std::as_bytes(std::span(head)));
+  for (const Entry& e : entries) out.write(e.bytes);
+  out.commit();
+}
+
+// -- the version directory -------------------------------------------------------------
+
+inline fs::path write_export(std::vector<Source> sources, std::uint64_t step, const ExportOptions& o) {
+  if (o.base.empty()) throw config_error("psx: ExportOptions::base is empty");
+  const fs::path base = fs::absolute(o.base);
+  const std::uint64_t version = o.version.value_or(step);
+  const fs::path final_dir = base / std::to_string(version);
+  fs::create_directories(base);
+  if (fs::exists(final_dir)) ck::fail(final_dir, "exists: an export version is never overwritten");
+  std::vector<ExportedTensor> tensors;
+  for (Source& s : sources)
+    if (o.variables.empty() || matches(o.variables, s.name)) tensors.push_back(convert(s, o));
+  ExportMetadata m;
+  m.step = step;
+  m.version = version;
+  m.created_unix =
+      std::chrono::duration_cast<std::chrono::seconds>(std::chrono::system_clock::now().time_since_epoch()).count();
+  m.signature = o.signature;
+  for (const ExportedTensor& t : tensors)
+    m.tensors.push_back({t.name, t.shape, t.dtype, t.quantization, t.trainable, t.sparse,
+                         t.sparse ? t.indices.size() : t.elements()});
+  m.files = {"metadata.json", "model.psx"};
+  if (o.npz) m.files.push_back("model.npz");
+  if (o.safetensors) m.files.push_back("model.safetensors");
+  std::ostringstream os;
+  {
+    cereal::JSONOutputArchive ar(os);
+    ar(cereal::make_nvp("psx_export", m));
+  }
+  const std::string json = std::move(os).str() + "\n";
+  // TensorFlow Serving loads any numeric directory it sees: the version
+  // is written under a dotted name and renamed when complete.
+  const fs::path temp = base / (".tmp-" + std::to_string(version) + "-" + std::to_string(ck::random64()));
+  fs::create_directory(temp);
+  try {
+    {
+      ck::AtomicFile meta(temp / "metadata.json");
+      meta.write(std::as_bytes(std::span(json)));
+      meta.commit();
+    }
+    write_model(temp / "model.psx", tensors, step);
+    if (o.npz) write_npz(temp / "model.npz", tensors);
+    if (o.safetensors) write_safetensors(temp / "model.safetensors", tensors, json);
+    ck::fsync_path(temp, true);
+    ck::rename_path(temp, final_dir);
+    ck::fsync_path(base, true);
+  } catch (...) {
+    std::error_code ec;
+    fs::remove_all(temp, ec);
+    throw;
+  }
+  return final_dir;
+}
+
+}  // namespace detail::exports
+
+inline std::vector<float> ExportedTensor::to_float() const {
+  const std::size_t n = elements();
+  std::vector<float> out(n, 0.0f);
+  const std::size_t stored = sparse ? indices.size() : n;
+  std::vector<float> dense(stored);
+  if (dtype == "float32") {
+    std::memcpy(dense.data(), values.data(), stored * 4);
+  } else if (dtype == "int8") {
+    const std::uint64_t width = quantization == "per_channel" ? row_width() : std::max<std::uint64_t>(n, 1);
+    for (std::size_t i = 0; i < stored; ++i) {
+      const std::size_t at = sparse ? indices[i] : i;
+      const float scale = scales[quantization == "per_channel" ? at / width : 0];
+      dense[i] = static_cast<float>(static_cast<std::int8_t>(values[i])) * scale;
+    }
+  } else {
+    std::vector<std::uint16_t> bits(stored);
+    std::memcpy(bits.data(), values.data(), stored * 2);
+    ::psx::detail::from_low(dtype == "float16" ? DType::float16 : DType::bfloat16, bits.data(), dense.data(), stored);
+  }
+  if (!sparse) return dense;
+  for (std::size_t i = 0; i < stored; ++i) out[indices[i]] = dense[i];
+  return out;
+}
+
+inline const ExportedTensor& Export::operator[](std::string_view name) const {
+  for (const ExportedTensor& t : tensors)
+    if (t.name == name) return t;
+  throw unknown_variable("psx: export " + path.string() + " has no tensor '" + std::string(name) + "'");
+}
+
+//! Exports the cluster's variables into `options.base/<version>/`; returns
+//! that directory. Collective like a checkpoint save: every worker calls it
+//! at the same step, the chief reads every variable and writes, the others
+//! wait on barriers. Throws on the chief when the export fails (the base
+//! directory then holds no new version).
+template <class PS>
+std::filesystem::path export_model(const PS&, Worker& w, const ExportOptions& options) {
+  const std::uint64_t step = w.clock();
+  const std::filesystem::path dir =
+      std::filesystem::absolute(options.base) / std::to_string(options.version.value_or(step));
+  w.barrier();
+  std::exception_ptr error;
+  if (w.is_chief()) {
+    try {
+      std::vector<detail::exports::Source> sources;
+      for (const VariableInfo& v : ::psx::detail::WorkerAccess::variables(w)) {
+        if (!options.variables.empty() && !detail::exports::matches(options.variables, v.meta.name)) continue;
+        detail::exports::Source s{v.meta.name, {v.meta.shape.begin(), v.meta.shape.end()}, v.trainable,
+                                  std::vector<float>(v.meta.size())};
+        ::psx::detail::WorkerAccess::read(w, v.meta.name, s.values);
+        sources.push_back(std::move(s));
+      }
+      detail::exports::write_export(std::move(sources), step, options);
+    } catch (...) {
+      error = std::current_exception();
+    }
+  }
+  w.barrier();
+  if (error) std::rethrow_exception(error);
+  return dir;
+}
+
+//! Exports a checkpoint's variables, without a cluster; returns the version directory.
+inline std::filesystem::path export_checkpoint(const std::filesystem::path& checkpoint_dir, const ExportOptions& options) {
+  const checkpoint::Manifest m = checkpoint::read_manifest(checkpoint_dir);
+  std::vector<detail::exports::Source> sources;
+  for (const checkpoint::ManifestVariable& v : m.variables) {
+    if (!options.variables.empty() && !detail::exports::matches(options.variables, v.name)) continue;
+    auto loaded = checkpoint::load_variable(checkpoint_dir, v.name);
+    sources.push_back({v.name, v.shape, v.trainable, std::move(loaded.values)});
+  }
+  return detail::exports::write_export(std::move(sources), m.step, options);
+}
+
+//! Reads an export: `path` is a version directory, or a base directory
+//! (then its highest version). Checks every CRC; throws checkpoint_error
+//! naming the file and the problem.
+inline Export load_export(const std::filesystem::path& path, const LoadOptions& options = {}) {
+  namespace fs = std::filesystem;
+  namespace ck = checkpoint::detail;
+  fs::path dir = path;
+  if (!fs::exists(dir / "model.psx")) {
+    std::optional<std::uint64_t> best;
+    std::error_code ec;
+    for (const auto& e : fs::directory_iterator(path, ec)) {
+      const std::string name = e.path().filename().string();
+      if (name.empty() || name.size() > 19 || !std::all_of(name.begin(), name.end(), [](char c) { return c >= '0' && c <= '9'; }))
+        continue;
+      const std::uint64_t v = std::stoull(name);
+      if (!best || v > *best) best = v;
+    }
+    if (!best) ck::fail(path, "holds neither model.psx nor a version directory");
+    dir = path / std::to_string(*best);
+  }
+  Export out;
+  out.path = dir;
+  const fs::path model = dir / "model.psx";
+  ck::Loaded file = ck::read_file(model);
+  // The envelope of a checkpoint file, kind 3.
+  const auto h = ck::decode_header(file.all(), file.size, ck::FileKind::exported, model);
+  const auto meta = file.all().subspan(ck::header_bytes, h.meta_bytes);
+  const auto data = file.all().subspan(ck::header_bytes + h.meta_bytes, h.data_bytes);
+  if (::psx::detail::crc32c(meta) != h.meta_crc) ck::fail(model, "corrupted metadata (CRC-32C mismatch)");
+  if (::psx::detail::crc32c(data) != h.data_crc) ck::fail(model, "corrupted data (CRC-32C mismatch)");
+  out.tensors = detail::exports::decode_model(meta, data, model);
+  const fs::path meta_file = dir / "metadata.json";
+  const ck::Loaded json = ck::read_file(meta_file);
+  ck::check_json_depth(json.all(), meta_file);
+  try {
+    ck::MemoryBuf buf(json.all());
+    std::istream is(&buf);
+    cereal::JSONInputArchive ar(is);
+    ar(cereal::make_nvp("psx_export", out.metadata));
+  } catch (const std::exception& e) {
+    ck::fail(meta_file, std::string("bad metadata: ") + e.what());
+  }
+  if (out.metadata.step != h.step) ck::fail(meta_file, "is of step " + std::to_string(out.metadata.step) + ", model.psx of step " + std::to_string(h.step));
+  if (options.dequantize)
+    for (ExportedTensor& t : out.tensors) {
+      std::vector<float> f = t.to_float();
+      t.values.resize(f.size() * 4);
+      std::memcpy(t.values.data(), f.data(), f.size() * 4);
+      t.dtype = "float32";
+      t.quantization = "none";
+      t.scales.clear();
+      t.sparse = false;
+      t.indices.clear();
+    }
+  return out;
+}
+
+}  // namespace v0
+}  // namespace psx

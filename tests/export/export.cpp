@@ -1,0 +1,236 @@
+// Export for inference (psx/export.hpp) and magnitude pruning (psx/pruning.hpp).
+#include <psx/export.hpp>
+#include <psx/psx.hpp>
+
+#include "../support.hpp"
+
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+namespace fs = std::filesystem;
+
+namespace {
+
+struct TempDir {
+  fs::path path;
+  explicit TempDir(const std::string& name)
+      : path(fs::temp_directory_path() / ("psx-export-test-" + std::to_string(::getpid()) + "-" + name)) {
+    fs::remove_all(path);
+  }
+  ~TempDir() {
+    std::error_code ec;
+    fs::remove_all(path, ec);
+  }
+};
+
+std::vector<float> ramp(std::size_t n, float a, float b) {
+  std::vector<float> v(n);
+  for (std::size_t i = 0; i < n; ++i) v[i] = static_cast<float>(i) * a + b;
+  return v;
+}
+
+using SGDCluster = psx::ParameterServer<psx::partition::RowRange, psx::sync::Synchronous, psx::optim::SGD>;
+
+// A cluster whose variables hold `values` (one SGD step of lr 1 from zeros).
+void set_values(SGDCluster& ps, psx::Worker& w, const std::vector<std::pair<std::string, std::vector<float>>>& values) {
+  (void)ps;
+  for (const auto& [name, v] : values) {
+    std::vector<float> g(v.size());
+    for (std::size_t i = 0; i < v.size(); ++i) g[i] = -v[i];
+    w.push(name, g);
+  }
+  w.step();
+}
+
+bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * 4) == 0;
+}
+
+}  // namespace
+
+TEST_CASE("export: every precision loads back as what it stores, with its metadata") {
+  psx_test::Watchdog dog("export precisions");
+  TempDir base("precisions");
+  const auto kernel = ramp(6 * 4, 0.37f, -2.1f), bias = ramp(4, 0.5f, -1.0f);
+  SGDCluster ps({2, 1}, {}, {}, {1.0});
+  ps.declare(psx::dense("kernel", {6, 4}));
+  ps.declare(psx::dense("bias", {4}));
+  ps.declare(psx::dense("frozen", {2}, psx::Initializer::constant(0.75f), false));
+  ps.run([&](psx::Worker& w) {
+    set_values(ps, w, {{"kernel", kernel}, {"bias", bias}});
+    const psx::ExportPrecision all[] = {psx::ExportPrecision::float32, psx::ExportPrecision::float16,
+                                        psx::ExportPrecision::bfloat16, psx::ExportPrecision::int8,
+                                        psx::ExportPrecision::int8_per_channel};
+    std::uint64_t version = 10;
+    for (const auto p : all) {
+      CAPTURE(static_cast<int>(p));
+      psx::ExportOptions o;
+      o.base = base.path;
+      o.version = version;
+      o.precision = p;
+      o.keep_float32 = {"bias"};
+      o.signature = {.method = "predict", .inputs = {{"x", "float32", {-1, 6}}}, .outputs = {{"y", "float32", {-1, 4}}}};
+      const fs::path dir = psx::export_model(ps, w, o);
+      CHECK(dir == fs::absolute(base.path) / std::to_string(version));
+      const psx::Export e = psx::load_export(dir);
+      CHECK(e.metadata.step == 1);
+      CHECK(e.metadata.version == version);
+      CHECK(e.metadata.signature == o.signature);
+      CHECK(e.metadata.tensors.size() == 3);
+      CHECK(same_bits(e["bias"].to_float(), bias));  // kept float32
+      CHECK(e["frozen"].trainable == false);
+      const psx::ExportedTensor& k = e["kernel"];
+      std::vector<float> want = kernel;
+      switch (p) {
+        case psx::ExportPrecision::float32:
+          CHECK(k.dtype == "float32");
+          break;
+        case psx::ExportPrecision::float16:
+          CHECK(k.dtype == "float16");
+          for (float& x : want) x = psx::float16::from_float(x).to_float();
+          break;
+        case psx::ExportPrecision::bfloat16:
+          CHECK(k.dtype == "bfloat16");
+          for (float& x : want) x = psx::bfloat16::from_float(x).to_float();
+          break;
+        case psx::ExportPrecision::int8:
+        case psx::ExportPrecision::int8_per_channel: {
+          const bool per_channel = p == psx::ExportPrecision::int8_per_channel;
+          const auto q = psx::quantize_int8(kernel, per_channel ? 6 : 1, per_channel ? 4 : 24, per_channel);
+          psx::dequantize(q, want);
+          CHECK(k.dtype == "int8");
+          CHECK(k.quantization == (per_channel ? "per_channel" : "per_tensor"));
+          CHECK(k.scales == q.scales);
+          CHECK(k.values.size() == 24);
+          break;
+        }
+      }
+      CHECK(same_bits(k.to_float(), want));
+      // Dequantized on request: the same values, as float32.
+      const psx::Export d = psx::load_export(dir, {.dequantize = true});
+      CHECK(d["kernel"].dtype == "float32");
+      CHECK(same_bits(d["kernel"].to_float(), want));
+      ++version;
+    }
+  });
+  // The base directory holds the numbered versions only; the newest is found.
+  std::vector<std::string> names;
+  for (const auto& e : fs::directory_iterator(base.path)) names.push_back(e.path().filename().string());
+  std::sort(names.begin(), names.end());
+  CHECK(names == std::vector<std::string>{"10", "11", "12", "13", "14"});
+  CHECK(psx::load_export(base.path).metadata.version == 14);
+  for (const char* f : {"metadata.json", "model.psx", "model.npz", "model.safetensors"})
+    CHECK(fs::exists(base.path / "10" / f));
+}
+
+TEST_CASE("export: an existing version is never overwritten, and a damaged model.psx is named") {
+  TempDir base("versions");
+  SGDCluster ps({1, 1}, {}, {}, {1.0});
+  ps.declare(psx::dense("w", {16}));
+  ps.run([&](psx::Worker& w) {
+    set_values(ps, w, {{"w", ramp(16, 1.0f, 1.0f)}});
+    psx::ExportOptions o;
+    o.base = base.path;
+    psx::export_model(ps, w, o);  // version = step = 1
+    CHECK_THROWS_WITH_AS(psx::export_model(ps, w, o), doctest::Contains("exists: an export version is never overwritten"),
+                         psx::checkpoint_error);
+  });
+  const fs::path model = base.path / "1" / "model.psx";
+  {
+    std::fstream f(model, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(-3, std::ios::end);
+    f.put('\x55');
+  }
+  CHECK_THROWS_WITH_AS(psx::load_export(base.path / "1"), doctest::Contains("model.psx: corrupted data (CRC-32C mismatch)"),
+                       psx::checkpoint_error);
+  fs::resize_file(model, 20);
+  CHECK_THROWS_WITH_AS(psx::load_export(base.path / "1"), doctest::Contains("model.psx: truncated"), psx::checkpoint_error);
+  CHECK_THROWS_WITH_AS(psx::load_export(base.path / "nothing"), doctest::Contains("holds neither model.psx nor a version"),
+                       psx::checkpoint_error);
+}
+
+TEST_CASE("export: from a checkpoint, without a cluster") {
+  TempDir root("from-ckpt"), base("from-ckpt-export");
+  SGDCluster ps({2, 1}, {}, {}, {1.0});
+  ps.declare(psx::dense("w", {5, 3}));
+  ps.run([&](psx::Worker& w) {
+    set_values(ps, w, {{"w", ramp(15, -0.25f, 1.5f)}});
+    psx::checkpoint::save(ps, w, root.path);
+  });
+  psx::ExportOptions o;
+  o.base = base.path;
+  const auto dir = psx::export_checkpoint(root.path / "ckpt-0000000001", o);
+  CHECK(same_bits(psx::load_export(dir)["w"].to_float(), ramp(15, -0.25f, 1.5f)));
+}
+
+TEST_CASE("pruning: the polynomial decay schedule follows TensorFlow Model Optimization's formula") {
+  const psx::optim::PolynomialDecaySparsity s{.initial_sparsity = 0.1, .final_sparsity = 0.9, .begin_step = 10,
+                                             .end_step = 110, .frequency = 25, .power = 3};
+  CHECK(s.sparsity(0) == doctest::Approx(0.1));
+  CHECK(s.sparsity(10) == doctest::Approx(0.1));
+  CHECK(s.sparsity(60) == doctest::Approx(0.9 + (0.1 - 0.9) * 0.125));  // p = 0.5: (1 - p)^3 = 1/8
+  CHECK(s.sparsity(110) == doctest::Approx(0.9));
+  CHECK(s.sparsity(500) == doctest::Approx(0.9));
+  CHECK(!s.prunes_at(9));
+  CHECK(s.prunes_at(10));
+  CHECK(!s.prunes_at(11));
+  CHECK(s.prunes_at(35));
+  CHECK(s.prunes_at(110));
+  CHECK(!s.prunes_at(135));
+  CHECK_THROWS_AS((psx::optim::PolynomialDecaySparsity{.initial_sparsity = 0.5, .final_sparsity = 0.2}.validate()),
+                  psx::config_error);
+  CHECK_THROWS_AS((psx::optim::PolynomialDecaySparsity{.begin_step = 5, .end_step = 5}.validate()), psx::config_error);
+}
+
+TEST_CASE("pruning: during training the smallest weights go to zero and stay there; the export stores them sparsely") {
+  psx_test::Watchdog dog("pruning");
+  TempDir base("pruned");
+  using Opt = psx::optim::Pruned<psx::optim::SGD>;
+  const Opt opt{.optimizer = {0.01},
+                .schedule = {.initial_sparsity = 0.0, .final_sparsity = 0.75, .begin_step = 0, .end_step = 20,
+                             .frequency = 5, .power = 1},
+                .names = {"w"}};
+  psx::ParameterServer<psx::partition::HashByName, psx::sync::Synchronous, Opt> ps({1, 1}, {}, {}, opt);
+  ps.declare(psx::dense("w", {10, 8}, psx::Initializer::normal(0, 1, 5)));
+  ps.declare(psx::dense("other", {8}, psx::Initializer::normal(0, 1, 6)));
+  std::vector<std::vector<float>> seen;
+  ps.run([&](psx::Worker& w) {
+    std::vector<float> v(80), g(80), o(8), go(8, 0.1f);
+    for (int t = 0; t < 30; ++t) {
+      w.pull("w", v);
+      seen.push_back(v);
+      for (std::size_t i = 0; i < v.size(); ++i) g[i] = 0.05f * static_cast<float>((i * 7 + t) % 5) - 0.1f;
+      w.push({{"w", g}, {"other", go}});
+      w.step();
+    }
+    w.pull("w", v);
+    seen.push_back(v);
+    psx::ExportOptions eo;
+    eo.base = base.path;
+    psx::export_model(ps, w, eo);
+  });
+  auto zeros = [](const std::vector<float>& v) { return std::count(v.begin(), v.end(), 0.0f); };
+  // Pruned at steps 0, 5, 10, 15, 20 (update t + 1 happens before pull t + 1).
+  CHECK(zeros(seen[1]) == 0);                  // sparsity(0) = 0
+  CHECK(zeros(seen[6]) == 15);                 // floor(0.1875 * 80)
+  CHECK(zeros(seen[11]) == 30);                // 0.375
+  CHECK(zeros(seen[21]) == 60);                // 0.75
+  CHECK(zeros(seen.back()) == 60);             // and no more afterwards
+  // A pruned weight stays zero although its gradient is not.
+  for (std::size_t i = 0; i < 80; ++i)
+    if (seen[21][i] == 0.0f) CHECK(seen.back()[i] == 0.0f);
+  // "other" is not pruned.
+  const psx::Export e = psx::load_export(base.path);
+  CHECK(e["w"].sparse);
+  CHECK(e["w"].indices.size() == 20);
+  CHECK(same_bits(e["w"].to_float(), seen.back()));
+  CHECK(!e["other"].sparse);
+  CHECK(zeros(e["other"].to_float()) == 0);
+}
