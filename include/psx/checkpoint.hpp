@@ -746,19 +746,69 @@ inline std::uint64_t read_shards(const ::psx::detail::PersistRequest& r, std::sp
     check_variable(m, manifest_file, it == by_name.end() ? nullptr : it->second, meta, target.num_slots);
     const ManifestVariable& v = *it->second;
     const Shard& sh = target.variable->shards[target.index];
-    const std::size_t n = sh.rows() * meta.row_width;
-    target.params.assign(n, 0.0f);
-    target.slots.assign(n * target.num_slots, 0.0f);
-    target.version = 0;
+    std::uint64_t holding = 0;  // bytes of the files that hold its rows
     for (const ManifestShard& s : v.shards)
-      if (s.row_begin < sh.row_end && sh.row_begin < s.row_end) files[s.server].push_back(t);
+      if (s.row_begin < sh.row_end && sh.row_begin < s.row_end) {
+        files[s.server].push_back(t);
+        const fs::path file = dir / m.files[s.server].name;
+        std::error_code ec;
+        holding += fs::file_size(file, ec);
+        if (ec) fail(file, "missing");
+      }
+    // Nothing is allocated for more than the files can hold (a manifest
+    // that claims more rows than were saved is refused here).
+    const std::uint64_t n = sh.rows() * meta.row_width;
+    if (meta.row_width != 0 && (sh.rows() > (std::uint64_t{1} << 60) / meta.row_width ||
+                                n > holding / 4 / (target.num_slots + 1)))
+      fail(manifest_file, "variable '" + meta.name + "': rows [" + std::to_string(sh.row_begin) + ", " +
+                              std::to_string(sh.row_end) + ") of " + std::to_string(meta.row_width) +
+                              " floats are more than its shard files hold (" + std::to_string(holding) + " bytes)");
+    // Uninitialized: every float is read into (or the restore fails).
+    target.params.clear();
+    target.params.resize(n);
+    target.slots.clear();
+    target.slots.resize(n * target.num_slots);
+    target.version = 0;
   }
   for (const auto& [server, wanted] : files) {
     const ManifestFile& mf = m.files[server];
     const fs::path file = dir / mf.name;
-    Verified v = verify_bytes(read_file(file), FileKind::shards, file);
-    check_listed(file, v.file.size, v.header, mf, m.step);
-    const auto records = decode_index(v.meta, v.header.data_bytes, static_cast<std::uint32_t>(server), file);
+    // Streamed: header and index first, then the data part in blocks that
+    // are CRC'd while in cache and copied straight to where they go; no
+    // whole-file buffer (its page faults cost more than the copy).
+    const int fd = ::open(file.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) fail(file, errno == ENOENT ? "missing" : "cannot open: " + errno_text());
+    struct Closer {
+      int fd;
+      ~Closer() { ::close(fd); }
+    } closer{fd};
+    struct ::stat st {};
+    if (::fstat(fd, &st) != 0) fail(file, "cannot stat: " + errno_text());
+    const auto file_size = static_cast<std::uint64_t>(st.st_size);
+    auto read_exact = [&](std::byte* out, std::size_t n, std::uint64_t at) {
+      std::size_t done = 0;
+      while (done < n) {
+        const ::ssize_t got = ::pread(fd, out + done, n - done, static_cast<off_t>(at + done));
+        if (got < 0 && errno == EINTR) continue;
+        if (got < 0) fail(file, "cannot read: " + errno_text());
+        if (got == 0) fail(file, "the file shrank while being read");
+        done += static_cast<std::size_t>(got);
+      }
+    };
+    std::array<std::byte, header_bytes> hb{};
+    const auto head = std::span<const std::byte>(hb).first(std::min<std::size_t>(header_bytes, file_size));
+    read_exact(hb.data(), head.size(), 0);
+    const Header header = decode_header(head, file_size, FileKind::shards, file);
+    check_listed(file, file_size, header, mf, m.step);
+    std::vector<std::byte> meta_bytes(header.meta_bytes);
+    read_exact(meta_bytes.data(), meta_bytes.size(), header_bytes);
+    if (::psx::detail::crc32c(meta_bytes) != header.meta_crc) fail(file, "corrupted metadata (CRC-32C mismatch)");
+    const auto records = decode_index(meta_bytes, header.data_bytes, static_cast<std::uint32_t>(server), file);
+    struct Copy {
+      std::uint64_t src, bytes;  // in the data part
+      std::byte* dst;
+    };
+    std::vector<Copy> copies;
     for (const std::size_t t : wanted) {
       auto& target = targets[t];
       const VariableMeta& meta = target.variable->meta;
@@ -774,15 +824,61 @@ inline std::uint64_t read_shards(const ::psx::detail::PersistRequest& r, std::sp
         const std::uint64_t lo = std::max<std::uint64_t>(rec.row_begin, sh.row_begin);
         const std::uint64_t hi = std::min<std::uint64_t>(rec.row_end, sh.row_end);
         const std::size_t count = (hi - lo) * w;
-        const std::byte* base = v.data.data() + rec.offset;
         const std::size_t from = (lo - rec.row_begin) * w, to = (lo - sh.row_begin) * w;
-        std::memcpy(target.params.data() + to, base + from * 4, count * 4);
+        copies.push_back({rec.offset + from * 4, count * 4, reinterpret_cast<std::byte*>(target.params.data() + to)});
         for (std::size_t k = 0; k < target.num_slots; ++k)
-          std::memcpy(target.slots.data() + k * n + to, base + ((k + 1) * rec.floats() + from) * 4, count * 4);
+          copies.push_back({rec.offset + ((k + 1) * rec.floats() + from) * 4, count * 4,
+                            reinterpret_cast<std::byte*>(target.slots.data() + k * n + to)});
         target.version = std::max(target.version, rec.version);
         covered[t] += hi - lo;
       }
     }
+    std::sort(copies.begin(), copies.end(), [](const Copy& a, const Copy& b) { return a.src < b.src; });
+    constexpr std::size_t block = std::size_t{4} << 20;
+    auto buf = std::make_unique_for_overwrite<std::byte[]>(block);
+    const std::uint64_t data_at = header_bytes + header.meta_bytes;
+    std::uint32_t crc = 0;
+    bool disjoint = true;
+    for (std::size_t c = 1; c < copies.size(); ++c)
+      disjoint = disjoint && copies[c - 1].src + copies[c - 1].bytes <= copies[c].src;
+    if (disjoint) {
+      // Straight into the staging buffers, a block at a time, CRC'd while in
+      // cache; what no shard here needs goes through `buf` for the CRC alone.
+      std::uint64_t at = 0;
+      std::size_t c = 0;
+      while (at < header.data_bytes) {
+        std::byte* dst;
+        std::size_t len;
+        if (c < copies.size() && copies[c].src <= at) {
+          const Copy& cp = copies[c];
+          const std::uint64_t left = cp.src + cp.bytes - at;
+          len = static_cast<std::size_t>(std::min<std::uint64_t>(block, left));
+          dst = cp.dst + (at - cp.src);
+          if (len == left) ++c;
+        } else {
+          const std::uint64_t stop = c < copies.size() ? copies[c].src : header.data_bytes;
+          len = static_cast<std::size_t>(std::min<std::uint64_t>(block, stop - at));
+          dst = buf.get();
+        }
+        read_exact(dst, len, data_at + at);
+        crc = ::psx::detail::crc32c(std::span<const std::byte>(dst, len), crc);
+        at += len;
+      }
+    } else {
+      std::size_t next = 0;
+      for (std::uint64_t at = 0; at < header.data_bytes; at += block) {
+        const std::size_t len = static_cast<std::size_t>(std::min<std::uint64_t>(block, header.data_bytes - at));
+        read_exact(buf.get(), len, data_at + at);
+        crc = ::psx::detail::crc32c(std::span<const std::byte>(buf.get(), len), crc);
+        for (std::size_t k = next; k < copies.size() && copies[k].src < at + len; ++k) {
+          const Copy& cp = copies[k];
+          const std::uint64_t lo = std::max(cp.src, at), hi = std::min(cp.src + cp.bytes, at + len);
+          if (lo < hi) std::memcpy(cp.dst + (lo - cp.src), buf.get() + (lo - at), static_cast<std::size_t>(hi - lo));
+          if (k == next && cp.src + cp.bytes <= at + len) ++next;
+        }
+      }
+    }
+    if (crc != header.data_crc) fail(file, "corrupted data (CRC-32C mismatch)");
   }
   for (std::size_t t = 0; t < targets.size(); ++t) {
     const Shard& sh = targets[t].variable->shards[targets[t].index];
@@ -874,7 +970,8 @@ inline Variable load_variable(const std::filesystem::path& dir, const std::strin
   info.shards = {Shard{0, 0, info.meta.rows}};
   ::psx::detail::RestoredShard target{&info, 0, m.optimizer_slots, {}, {}, 0};
   detail::read_shards({dir.string(), m.step, 0}, std::span(&target, 1));
-  return {*mv, std::move(target.params), std::move(target.slots), m.optimizer_slots, target.version};
+  return {*mv, {target.params.begin(), target.params.end()}, {target.slots.begin(), target.slots.end()},
+          m.optimizer_slots, target.version};
 }
 
 //! The complete checkpoints under `root`, oldest first: those whose
@@ -1022,6 +1119,12 @@ struct Options {
   std::filesystem::path directory;
   //! Save when a worker's clock is a multiple of this (0: never by itself).
   std::uint64_t every_steps = 0;
+  //! Also save when this long has passed since the last save (or the start),
+  //! by the chief's clock (0: never by time). The workers agree on it every
+  //! `check_every_steps` steps (`Worker::agree_max`, a barrier), so a save
+  //! comes at the first such step after the time is up.
+  std::chrono::seconds every_seconds{0};
+  std::uint64_t check_every_steps = 10;
   //! Complete checkpoints kept; older ones are deleted after a save (0: keep all).
   std::size_t max_to_keep = 5;
 };
@@ -1033,6 +1136,8 @@ class Manager {
  public:
   Manager(const PS& ps, Options options) : ps_(&ps), options_(std::move(options)) {
     if (options_.directory.empty()) throw config_error("psx: checkpoint::Manager needs a directory");
+    if (options_.every_seconds.count() < 0 || (options_.every_seconds.count() > 0 && options_.check_every_steps == 0))
+      throw config_error("psx: checkpoint::Manager: every_seconds must be >= 0, and check_every_steps >= 1 with it");
   }
 
   const Options& options() const noexcept { return options_; }
@@ -1053,9 +1158,17 @@ class Manager {
   }
 
   //! Collective, after `w.step()`: saves when the clock is a multiple of
-  //! `every_steps`; returns whether it saved.
+  //! `every_steps`, or when `every_seconds` have passed (checked every
+  //! `check_every_steps` steps); returns whether it saved.
   bool maybe_save(Worker& w) {
-    if (options_.every_steps == 0 || w.clock() % options_.every_steps != 0) return false;
+    const std::uint64_t clock = w.clock();
+    bool due = options_.every_steps > 0 && clock % options_.every_steps == 0;
+    if (options_.every_seconds.count() > 0 && clock % options_.check_every_steps == 0) {
+      // Only the chief's clock counts; the others learn its answer.
+      const bool late = w.is_chief() && std::chrono::steady_clock::now() - last_save_ >= options_.every_seconds;
+      due = w.agree_max(late ? 1 : 0) == 1 || due;
+    }
+    if (!due) return false;
     save(w);
     return true;
   }
@@ -1063,6 +1176,7 @@ class Manager {
   //! Collective: saves now, then deletes the oldest beyond `max_to_keep`.
   Info save(Worker& w) {
     Info info = checkpoint::save(*ps_, w, options_.directory);
+    if (w.is_chief()) last_save_ = std::chrono::steady_clock::now();
     if (w.is_chief() && options_.max_to_keep > 0) {
       auto all = checkpoint::list(options_.directory);
       for (std::size_t i = 0; i + options_.max_to_keep < all.size(); ++i) {
@@ -1078,6 +1192,7 @@ class Manager {
  private:
   const PS* ps_;
   Options options_;
+  std::chrono::steady_clock::time_point last_save_ = std::chrono::steady_clock::now();  // the chief's only
 };
 
 }  // namespace checkpoint

@@ -320,6 +320,8 @@ class Server final : public RequestHandler {
       case Op::heartbeat:
         break;  // last_seen_ is all it updates
       case Op::barrier:
+        if (!r.items.empty() && (r.items.size() != 1 || r.items[0].out.size() != 2))
+          throw wire_error("psx: " + where(r) + ": a barrier carries no item, or one answer of 2 floats");
         barrier_.push_back(std::move(r));
         release_barrier();
         return;
@@ -419,7 +421,10 @@ class Server final : public RequestHandler {
       const auto staged = std::move(staged_);
       for (std::size_t i = 0; i < staged->held.size(); ++i) {
         ShardState& s = *staged->held[i];
-        s.data.assign(staged->shards[i].params, staged->shards[i].slots);
+        if constexpr (requires { s.data.adopt(staged->shards[i].params, staged->shards[i].slots); })
+          s.data.adopt(staged->shards[i].params, staged->shards[i].slots);
+        else
+          s.data.assign(staged->shards[i].params, staged->shards[i].slots);
         s.version = staged->shards[i].version;
         s.applied_steps = step;
         s.pending.clear();
@@ -808,9 +813,16 @@ class Server final : public RequestHandler {
     }
   }
 
+  // Releases the barrier once every live worker is in it; those that asked
+  // (Worker::agree_max) get the largest value (`clock`) of its requests.
   void release_barrier() {
     if (barrier_.empty() || barrier_.size() < live_) return;
-    for (Request& r : barrier_) r.finish();
+    std::uint64_t agreed = 0;
+    for (const Request& r : barrier_) agreed = std::max(agreed, r.clock);
+    for (Request& r : barrier_) {
+      if (!r.items.empty()) std::memcpy(r.items[0].out.data(), &agreed, sizeof agreed);
+      r.finish();
+    }
     barrier_.clear();
   }
 

@@ -16,6 +16,7 @@
 #pragma once
 
 #include <psx/concepts.hpp>
+#include <psx/detail/persist.hpp>
 #include <psx/detail/span.hpp>
 #include <psx/half.hpp>
 #include <psx/variable.hpp>
@@ -128,6 +129,14 @@ struct Host {
       if (!low_.empty()) detail::to_low(dtype_, params_.data(), low_.data(), size());
     }
 
+    //! Like assign, taking the buffers over instead of copying them.
+    void adopt(detail::FloatBuffer& params, detail::FloatBuffer& slots) noexcept {
+      params_.swap(params);
+      slots_.swap(slots);
+      for (std::size_t k = 0; k < bases_.size(); ++k) bases_[k] = slots_.data() + k * params_.size();
+      if (!low_.empty()) detail::to_low(dtype_, params_.data(), low_.data(), size());
+    }
+
     //! Copies the whole shard (float32 master or 16-bit copy) into `out`.
     void read(std::span<float> out) const noexcept { std::memcpy(out.data(), params_.data(), size() * sizeof(float)); }
     void read(std::span<std::uint16_t> out) const noexcept {
@@ -173,8 +182,8 @@ struct Host {
 
     DType dtype_;
     std::size_t width_;
-    std::vector<float> params_;
-    std::vector<float> slots_;
+    detail::FloatBuffer params_;
+    detail::FloatBuffer slots_;
     std::vector<float*> bases_;
     std::vector<std::uint16_t> low_;
   };

@@ -14,11 +14,13 @@
 #include <psx/variable.hpp>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <initializer_list>
 #include <limits>
@@ -322,6 +324,24 @@ class Worker {
     call_every_server(Op::barrier, clock());
   }
 
+  //! A barrier that also agrees on a number: returns the largest `value`
+  //! passed by the workers taking part (every worker still training must
+  //! call it as often, and no plain `barrier()` in between). What one worker
+  //! alone knows (the chief's clock says it is time to save) becomes what
+  //! all of them do.
+  std::uint64_t agree_max(std::uint64_t value) {
+    check_running("agree_max");
+    std::vector<std::array<float, 2>> answers(num_servers());
+    call_every_server(Op::barrier, value, {}, answers);
+    std::uint64_t out = 0;
+    for (const auto& a : answers) {
+      std::uint64_t v;
+      std::memcpy(&v, a.data(), sizeof v);
+      out = std::max(out, v);
+    }
+    return out;
+  }
+
   //! Leaves the cluster, as `ParameterServer::run` does when a worker
   //! function returns: synchronous steps stop waiting for this worker. For
   //! workers driven from threads of your own; calling it again, or after
@@ -331,8 +351,10 @@ class Worker {
  private:
   friend struct detail::WorkerAccess;
 
-  // Sends `op` to every server and waits for every answer.
-  void call_every_server(Op op, std::uint64_t clock_value, const std::string& text = {}) {
+  // Sends `op` to every server and waits for every answer; with `answers`,
+  // server s writes 2 floats (a barrier's agreed value) into answers[s].
+  void call_every_server(Op op, std::uint64_t clock_value, const std::string& text = {},
+                         std::span<std::array<float, 2>> answers = {}) {
     auto done = std::make_shared<Completion>(num_servers());
     std::size_t s = 0;
     try {
@@ -342,6 +364,7 @@ class Worker {
         r.worker = static_cast<std::uint32_t>(index_);
         r.clock = clock_value;
         r.reason = text;
+        if (!answers.empty()) r.items.emplace_back().out = answers[s];
         r.done = done;
         core_->send(s, std::move(r));
       }

@@ -7,7 +7,9 @@
 
 #include <doctest/doctest.h>
 
+#include <atomic>
 #include <cstdint>
+#include <thread>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -331,6 +333,44 @@ TEST_CASE("checkpoint: another optimizer's state is refused with both named") {
     CHECK_THROWS_WITH_AS(psx::checkpoint::restore(ps, w, dir_of(root.path, 2)),
                          doctest::Contains("keeps 2 slots per parameter, this program's 0"), psx::checkpoint_error);
   });
+}
+
+TEST_CASE("checkpoint: Manager saves by time too: the chief's clock decides, every worker follows") {
+  Watchdog dog("manager by time");
+  TempDir root("manager-time");
+  using PS = Cluster<psx::optim::Adam>;
+  PS ps({2, 3}, {}, {}, {.lr = 0.01});
+  declare(ps);
+  psx::checkpoint::Manager<PS> ckpt(
+      ps, {.directory = root.path, .every_seconds = std::chrono::seconds(1), .check_every_steps = 2});
+  std::atomic<int> saves{0};
+  std::vector<std::uint64_t> saved_at(3, 0);
+  ps.run([&](psx::Worker& w) {
+    while (w.clock() < 8) {
+      train_step(w);
+      if (w.is_chief() && w.clock() == 3) std::this_thread::sleep_for(std::chrono::milliseconds(1100));
+      if (ckpt.maybe_save(w)) {
+        ++saves;
+        saved_at[w.index()] = w.clock();
+      }
+    }
+  });
+  CHECK(saves == 3);  // once, by all three workers, at the first check after the second passed
+  CHECK(saved_at == std::vector<std::uint64_t>{4, 4, 4});
+  const auto all = ckpt.all();
+  REQUIRE(all.size() == 1);
+  CHECK(all[0].step == 4);
+}
+
+TEST_CASE("checkpoint: Worker::agree_max gives every worker the largest value passed") {
+  Cluster<psx::optim::SGD> ps({3, 4}, {}, {}, {});
+  declare(ps);
+  std::vector<std::uint64_t> got(4);
+  ps.run([&](psx::Worker& w) {
+    got[w.index()] = w.agree_max(w.index() == 2 ? (std::uint64_t{1} << 40) + 7 : w.index());
+    CHECK(w.agree_max(0) == 0);
+  });
+  CHECK(got == std::vector<std::uint64_t>(4, (std::uint64_t{1} << 40) + 7));
 }
 
 TEST_CASE("checkpoint: Manager saves every N steps, keeps the last ones and resumes from the newest") {

@@ -9,13 +9,14 @@
 // manifest's fields, and that training on from it equals a fourth direct step.
 //
 // A directory is written once and never again. A new format version gets a
-// new directory next to the old ones (which stay: they prove this psx still
-// reads them) and a TEST_CASE of its own:
+// new directory next to the old ones, which stay (they prove this psx still
+// reads them); the test checks v1 up to the newest:
 //
 //   PSX_WRITE_GOLDEN=$PWD/tests/checkpoint/golden/v2 build/dev/tests/psx_tests -tc='*golden*'
 //
 // With PSX_WRITE_GOLDEN set, the test writes the checkpoint of the current
-// format there (and checks it the same way); without it, it only reads.
+// format there (refusing a directory that has one) and checks it the same
+// way; without it, it only reads.
 #include <psx/checkpoint.hpp>
 #include <psx/psx.hpp>
 
@@ -124,8 +125,10 @@ bool same_bits(std::span<const float> a, std::span<const float> b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size_bytes()) == 0;
 }
 
-// Writes the golden checkpoint of the current format into `dir`.
+// Writes the golden checkpoint of the current format into `dir`, which
+// has none yet: an old one is never overwritten.
 void write_golden(const fs::path& dir) {
+  REQUIRE_MESSAGE(!fs::exists(dir / "manifest.psx"), dir << " has a golden checkpoint already; it stays as it is");
   const fs::path root = fs::temp_directory_path() / ("psx-golden-" + std::to_string(::getpid()));
   fs::remove_all(root);
   Cluster ps({2, 1}, {}, {}, kAdam);
@@ -178,7 +181,8 @@ void check_manifest(const fs::path& dir, std::uint32_t format) {
 // Restores the golden checkpoint in `dir` (format `format`) and checks it
 // against the direct computation; reads only.
 void check_golden(const fs::path& dir, std::uint32_t format) {
-  REQUIRE_MESSAGE(fs::exists(dir / "manifest.psx"), "no golden checkpoint in " << dir);
+  REQUIRE_MESSAGE(fs::exists(dir / "manifest.psx"), "no golden checkpoint in " << dir << ": write the one of format "
+                                                        << format << " with PSX_WRITE_GOLDEN (golden.cpp says how)");
   check_manifest(dir, format);
   const Expected expected(kSteps);
   for (const char* name : {"w", "emb", "h"}) {
@@ -214,17 +218,16 @@ void check_golden(const fs::path& dir, std::uint32_t format) {
 
 }  // namespace
 
-TEST_CASE("checkpoint: the golden checkpoint of format 1 restores into 3 servers, bit for bit") {
-  psx_test::Watchdog dog("golden checkpoint");
-  const fs::path golden = PSX_GOLDEN_DIR;
+TEST_CASE("checkpoint: the golden checkpoint of every format restores into 3 servers, bit for bit") {
+  psx_test::Watchdog dog("golden checkpoints");
   if (const char* out = std::getenv("PSX_WRITE_GOLDEN")) {
     write_golden(out);
     check_golden(out, psx::checkpoint::format_version);
     return;
   }
-  check_golden(golden / "v1", 1);
-  // The newest format has its golden directory too (see the top of this file).
-  CHECK_MESSAGE(fs::exists(golden / ("v" + std::to_string(psx::checkpoint::format_version)) / "manifest.psx"),
-                "format " << psx::checkpoint::format_version << " has no golden checkpoint: write one with "
-                          << "PSX_WRITE_GOLDEN (tests/checkpoint/golden.cpp says how)");
+  // Format 1 up to the newest: each has its directory (see the top of this file).
+  for (std::uint32_t format = 1; format <= psx::checkpoint::format_version; ++format) {
+    CAPTURE(format);
+    check_golden(fs::path(PSX_GOLDEN_DIR) / ("v" + std::to_string(format)), format);
+  }
 }

@@ -64,6 +64,11 @@ void train_for(psx::Worker& w, int n, Pause&& pause) {
   }
   // Every push of every worker is in before anyone reads the result.
   w.barrier();
+  // And every worker learns the largest number any of them passed.
+  const std::uint64_t agreed = w.agree_max(100 + w.index());
+  if (agreed != 100 + w.num_workers() - 1)
+    throw psx::error("psx test: agree_max returned " + std::to_string(agreed) + ", expected " +
+                     std::to_string(100 + w.num_workers() - 1));
 }
 
 inline void train(psx::Worker& w) {

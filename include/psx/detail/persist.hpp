@@ -10,13 +10,38 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace psx {
 inline namespace v0 {
 namespace detail {
+
+//! An allocator whose `resize` leaves floats uninitialized (what is read
+//! into them overwrites every one): no zero-fill pass before a restore.
+template <class T>
+struct DefaultInitAllocator : std::allocator<T> {
+  template <class U>
+  struct rebind {
+    using other = DefaultInitAllocator<U>;
+  };
+  DefaultInitAllocator() = default;
+  template <class U>
+  DefaultInitAllocator(const DefaultInitAllocator<U>&) noexcept {}
+  template <class U>
+  void construct(U* p) noexcept(std::is_nothrow_default_constructible_v<U>) {
+    ::new (static_cast<void*>(p)) U;
+  }
+  template <class U, class... A>
+  void construct(U* p, A&&... a) {
+    std::allocator_traits<std::allocator<T>>::construct(static_cast<std::allocator<T>&>(*this), p, std::forward<A>(a)...);
+  }
+};
+using FloatBuffer = std::vector<float, DefaultInitAllocator<float>>;
 
 //! One shard as a server saves it: views of its state in host memory.
 struct SavedShard {
@@ -33,8 +58,8 @@ struct RestoredShard {
   const VariableInfo* variable = nullptr;
   std::uint32_t index = 0;
   std::size_t num_slots = 0;
-  std::vector<float> params;
-  std::vector<float> slots;
+  FloatBuffer params;
+  FloatBuffer slots;
   std::uint64_t version = 0;
 };
 

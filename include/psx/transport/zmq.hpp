@@ -788,6 +788,8 @@ class Zmq::link_type {
     // buffer is allocated; the server checks the rest.
     std::string bad_output(const Request& r, std::size_t i, const ::psx::detail::wire::OutSpec& o) const {
       const Item& item = r.items[i];
+      if (r.op == Op::barrier)  // Worker::agree_max: 2 floats holding the agreed u64
+        return o.count == 2 && o.kind == ::psx::detail::wire::OutKind::float32 ? "" : "a barrier's answer is 2 floats";
       const bool pull = r.op == Op::pull || r.op == Op::read || r.op == Op::pull_rows;
       if (!pull) return o.count == 0 ? "" : "a push asks for values back";
       if (o.count == 0) return "a pull without an output";
