@@ -609,12 +609,15 @@ inline DType parse_dtype(const std::string& s, const fs::path& file) {
   fail(file, "unknown dtype '" + s + "'");
 }
 
-// RapidJSON parses recursively: JSON nested deeper than any manifest is
-// refused before it is parsed, so that no file can exhaust the stack.
+// What RapidJSON (under cereal) must never see: JSON nested deeper than any
+// psx file writes (it parses recursively, so the stack could run out), and
+// numbers that are not integers (psx writes none, and RapidJSON 1.1.0, the
+// one Debian has, misparses some, e.g. `0e60`: Tencent/rapidjson#1249).
 inline void check_json_depth(std::span<const std::byte> json, const fs::path& file) {
   constexpr int max_depth = 32;
   int depth = 0;
   bool in_string = false, escaped = false;
+  char before = 0;
   for (const std::byte b : json) {
     const char c = static_cast<char>(b);
     if (in_string) {
@@ -624,10 +627,13 @@ inline void check_json_depth(std::span<const std::byte> json, const fs::path& fi
     } else if (c == '"') {
       in_string = true;
     } else if (c == '[' || c == '{') {
-      if (++depth > max_depth) fail(file, "bad manifest: JSON nested deeper than " + std::to_string(max_depth) + " levels");
+      if (++depth > max_depth) fail(file, "bad JSON: nested deeper than " + std::to_string(max_depth) + " levels");
     } else if (c == ']' || c == '}') {
-      --depth;
+      if (depth > 0) --depth;
+    } else if (c == '.' || ((c == 'e' || c == 'E') && before >= '0' && before <= '9')) {
+      fail(file, "bad JSON: a number that is not an integer");
     }
+    before = c;
   }
 }
 
@@ -1196,5 +1202,10 @@ class Manager {
 };
 
 }  // namespace checkpoint
+
+//! `psx::CheckpointManager<PS>`: the same as `psx::checkpoint::Manager<PS>`.
+template <class PS>
+using CheckpointManager = checkpoint::Manager<PS>;
+
 }  // namespace v0
 }  // namespace psx

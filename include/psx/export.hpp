@@ -205,7 +205,7 @@ inline ExportedTensor convert(const Source& s, const ExportOptions& o) {
   switch (p) {
     case ExportPrecision::float32:
       t.values.resize(n * 4);
-      std::memcpy(t.values.data(), s.values.data(), n * 4);
+      if (n) std::memcpy(t.values.data(), s.values.data(), n * 4);
       break;
     case ExportPrecision::float16:
     case ExportPrecision::bfloat16: {
@@ -214,7 +214,7 @@ inline ExportedTensor convert(const Source& s, const ExportOptions& o) {
       ::psx::detail::to_low(p == ExportPrecision::float16 ? DType::float16 : DType::bfloat16, s.values.data(),
                             bits.data(), n);
       t.values.resize(n * 2);
-      std::memcpy(t.values.data(), bits.data(), n * 2);
+      if (n) std::memcpy(t.values.data(), bits.data(), n * 2);
       break;
     }
     case ExportPrecision::int8:
@@ -226,7 +226,7 @@ inline ExportedTensor convert(const Source& s, const ExportOptions& o) {
       t.quantization = per_channel ? "per_channel" : "per_tensor";
       t.scales = q.scales;
       t.values.resize(n);
-      std::memcpy(t.values.data(), q.values.data(), n);
+      if (n) std::memcpy(t.values.data(), q.values.data(), n);
       break;
     }
   }
@@ -298,8 +298,12 @@ inline std::vector<ExportedTensor> decode_model(std::span<const std::byte> meta,
       bounded(scales, 4, "scales");
       t.scales.resize(scales);
       for (float& s : t.scales) ar(s);
-      ar(t.trainable, t.sparse, indices, bytes);
+      std::uint8_t trainable = 0, sparse = 0;  // cereal writes a bool as one byte; any other value is refused
+      ar(trainable, sparse, indices, bytes);
       const std::string what = "tensor '" + t.name + "'";
+      if (trainable > 1 || sparse > 1) ck::fail(file, what + ": a flag byte that is neither 0 nor 1");
+      t.trainable = trainable == 1;
+      t.sparse = sparse == 1;
       if (t.dtype != "float32" && t.dtype != "float16" && t.dtype != "bfloat16" && t.dtype != "int8")
         ck::fail(file, what + ": unknown dtype '" + t.dtype + "'");
       std::uint64_t elements = 1;
@@ -320,7 +324,7 @@ inline std::vector<ExportedTensor> decode_model(std::span<const std::byte> meta,
         ck::fail(file, what + ": quantization '" + t.quantization + "' with " + std::to_string(scales) + " scales for " +
                            t.dtype);
       t.indices.resize(indices);
-      std::memcpy(t.indices.data(), data.data() + at, indices * 8);
+      if (indices) std::memcpy(t.indices.data(), data.data() + at, indices * 8);
       for (std::size_t i = 0; i < indices; ++i)
         if (t.indices[i] >= elements || (i > 0 && t.indices[i] <= t.indices[i - 1]))
           ck::fail(file, what + ": sparse indices out of order or beyond its " + std::to_string(elements) + " elements");
@@ -329,8 +333,10 @@ inline std::vector<ExportedTensor> decode_model(std::span<const std::byte> meta,
       at += bytes;
     }
     if (is.rdbuf()->in_avail() != 0) ck::fail(file, "bytes after its index");
-  } catch (const checkpoint_error&) {
-    throw;
+  } catch (const checkpoint_error& e) {
+    const std::string what = e.what();
+    if (what.rfind("psx: checkpoint file", 0) == 0) throw;
+    ck::fail(file, "bad index: " + what);  // a BoundedString's refusal
   } catch (const std::exception& e) {
     ck::fail(file, std::string("bad index: ") + e.what());
   }
@@ -584,7 +590,7 @@ inline std::vector<float> ExportedTensor::to_float() const {
   const std::size_t stored = sparse ? indices.size() : n;
   std::vector<float> dense(stored);
   if (dtype == "float32") {
-    std::memcpy(dense.data(), values.data(), stored * 4);
+    if (stored) std::memcpy(dense.data(), values.data(), stored * 4);
   } else if (dtype == "int8") {
     const std::uint64_t width = quantization == "per_channel" ? row_width() : std::max<std::uint64_t>(n, 1);
     for (std::size_t i = 0; i < stored; ++i) {
@@ -594,7 +600,7 @@ inline std::vector<float> ExportedTensor::to_float() const {
     }
   } else {
     std::vector<std::uint16_t> bits(stored);
-    std::memcpy(bits.data(), values.data(), stored * 2);
+    if (stored) std::memcpy(bits.data(), values.data(), stored * 2);
     ::psx::detail::from_low(dtype == "float16" ? DType::float16 : DType::bfloat16, bits.data(), dense.data(), stored);
   }
   if (!sparse) return dense;
@@ -699,7 +705,7 @@ inline Export load_export(const std::filesystem::path& path, const LoadOptions& 
     for (ExportedTensor& t : out.tensors) {
       std::vector<float> f = t.to_float();
       t.values.resize(f.size() * 4);
-      std::memcpy(t.values.data(), f.data(), f.size() * 4);
+      if (!f.empty()) std::memcpy(t.values.data(), f.data(), f.size() * 4);
       t.dtype = "float32";
       t.quantization = "none";
       t.scales.clear();

@@ -409,3 +409,27 @@ TEST_CASE("checkpoint: Manager saves every N steps, keeps the last ones and resu
   train(psx::optim::Adam{.lr = 0.01}, 2, 16, {}, straight.path);
   check_same_state(dir_of(straight.path, 16), dir_of(root.path, 16));
 }
+
+TEST_CASE("crc32c: the three-lane hardware version equals the table version, and both the standard check values") {
+  const char* check = "123456789";
+  const auto nine = std::as_bytes(std::span(check, 9));
+  CHECK(psx::detail::crc32c(nine) == 0xE3069283u);
+  CHECK(psx::detail::crc32c_portable(nine) == 0xE3069283u);
+  CHECK(psx::detail::crc32_ieee(nine) == 0xCBF43926u);
+  std::vector<std::byte> data(200000);
+  std::uint64_t x = 88172645463325252ull;
+  for (auto& b : data) {
+    x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+    b = static_cast<std::byte>(x);
+  }
+  for (std::size_t len : {0u, 1u, 7u, 8u, 9u, 24575u, 24576u, 24577u, 49152u, 73735u, 199990u})
+    for (std::size_t off : {0u, 1u, 5u}) {
+      CAPTURE(len);
+      CAPTURE(off);
+      const auto s = std::span<const std::byte>(data).subspan(off, len);
+      CHECK(psx::detail::crc32c(s) == psx::detail::crc32c_portable(s));
+      CHECK(psx::detail::crc32c(s, 0x12345678u) == psx::detail::crc32c_portable(s, 0x12345678u));
+      // Extending over two parts equals one pass over both.
+      CHECK(psx::detail::crc32c(s.subspan(len / 3), psx::detail::crc32c(s.first(len / 3))) == psx::detail::crc32c(s));
+    }
+}

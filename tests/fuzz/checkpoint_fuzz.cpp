@@ -1,4 +1,5 @@
-// Fuzz target for the checkpoint readers (psx/checkpoint.hpp): whatever the
+// Fuzz target for the checkpoint readers (psx/checkpoint.hpp) and the
+// export's model.psx reader (psx/export.hpp, decode_model): whatever the
 // bytes, a reader returns what it checked or throws psx::checkpoint_error
 // naming the file; never another exception (cereal's, std::length_error...),
 // a crash, an overrun or a huge allocation. Each input goes through
@@ -32,6 +33,7 @@
 // the same entry point (a ctest test); `psx_checkpoint_fuzz FILE...` replays
 // inputs, e.g. one a failure wrote.
 #include <psx/checkpoint.hpp>
+#include <psx/export.hpp>
 
 #include <unistd.h>
 
@@ -66,6 +68,7 @@ constexpr std::uint64_t kStep = 3;
 const fs::path kPath = "fuzz-input";
 
 std::span<const std::byte> current;  // the input under test, for reports
+fs::path fixture_dir;                // removed by `bug` too, which skips destructors
 
 // Per reader: inputs it accepted and refused (the summary shows how deep
 // the mutations reach).
@@ -98,6 +101,8 @@ void dump(std::FILE* out, std::span<const std::byte> in) {
   std::fprintf(stderr, "written to checkpoint-fuzz-failure.bin (replay: psx_checkpoint_fuzz FILE)\n");
 #endif
   std::fflush(stderr);
+  std::error_code ec;
+  if (!fixture_dir.empty()) fs::remove_all(fixture_dir, ec);
   std::abort();
 }
 
@@ -221,10 +226,12 @@ struct Fixture {
   fs::path scratch;
   psx::checkpoint::Manifest manifest;
   std::vector<Bytes> servers;                   // server s's shard file
+  Bytes model;                                  // an export's model.psx
   std::vector<std::vector<std::string>> names;  // the variables of server s's shards, in its index
 
   Fixture() {
     const fs::path dir = fs::temp_directory_path() / ("psx-checkpoint-fuzz-" + std::to_string(::getpid()));
+    fixture_dir = dir;
     fs::remove_all(dir);
     fs::create_directories(dir / "scratch");
     scratch = dir / "scratch";
@@ -269,6 +276,23 @@ struct Fixture {
       manifest.files.push_back({name, servers.back().size(), h.crc});
       names.emplace_back();
       for (const auto& sh : on[s]) names.back().push_back(sh.variable->meta.name);
+    }
+    {  // an export of three kinds of tensor: float32, int8 per channel, sparse float16
+      psx::ExportOptions o;
+      o.sparse_above = 0.5;
+      std::vector<psx::detail::exports::Source> sources = {
+          {"k", {3, 4}, true, std::vector<float>(values.begin(), values.begin() + 12)},
+          {"q", {2, 3}, true, std::vector<float>(values.begin() + 20, values.begin() + 26)},
+          {"s", {10}, false, {0, 0, 1.5f, 0, 0, 0, -2.0f, 0, 0, 0}}};
+      std::vector<psx::ExportedTensor> tensors;
+      o.precision = psx::ExportPrecision::float32;
+      tensors.push_back(psx::detail::exports::convert(sources[0], o));
+      o.precision = psx::ExportPrecision::int8_per_channel;
+      tensors.push_back(psx::detail::exports::convert(sources[1], o));
+      o.precision = psx::ExportPrecision::float16;
+      tensors.push_back(psx::detail::exports::convert(sources[2], o));
+      psx::detail::exports::write_model(dir / "model.psx", tensors, kStep);
+      model = read_all(dir / "model.psx");
     }
     for (const auto& v : vars) {
       psx::checkpoint::ManifestVariable mv{v.meta.name, {v.meta.shape.begin(), v.meta.shape.end()},
@@ -329,6 +353,20 @@ void end_to_end_shards(std::span<const std::byte> in, const cd::Header& h) {
   load_variables(names);
 }
 
+// What decode_model returns must be tensors whose bytes fit their shapes.
+void check_model(const std::vector<psx::ExportedTensor>& tensors) {
+  for (const auto& t : tensors) {
+    const std::uint64_t e = psx::detail::exports::dtype_bytes(t.dtype);
+    const std::uint64_t stored = t.sparse ? t.indices.size() : t.elements();
+    if (t.values.size() != stored * e) bug("decode_model accepted '" + t.name + "' whose bytes do not fit its shape");
+    for (std::size_t i = 0; i < t.indices.size(); ++i)
+      if (t.indices[i] >= t.elements() || (i > 0 && t.indices[i] <= t.indices[i - 1]))
+        bug("decode_model accepted '" + t.name + "' with sparse indices out of order or range");
+    if (t.elements() <= (std::uint64_t{1} << 16) && t.to_float().size() != t.elements())
+      bug("to_float of '" + t.name + "' has the wrong size");
+  }
+}
+
 // -- the entry point ---------------------------------------------------------------------
 
 void run_one(std::span<const std::byte> in) {
@@ -356,6 +394,16 @@ void run_one(std::span<const std::byte> in) {
         });
     });
   }
+  guarded("verify_bytes (export)", [&] {
+    cd::Loaded file;
+    file.size = in.size();
+    file.bytes = std::make_unique_for_overwrite<std::byte[]>(in.size());
+    if (!in.empty()) std::memcpy(file.bytes.get(), in.data(), in.size());
+    const cd::Verified v = cd::verify_bytes(std::move(file), cd::FileKind::exported, kPath);
+    guarded("decode_model (after verify_bytes)",
+            [&] { check_model(psx::detail::exports::decode_model(v.meta, v.data, kPath)); });
+  });
+  guarded("decode_model", [&] { check_model(psx::detail::exports::decode_model(in, in, kPath)); });
   // The parsers alone. The index's own server (after PortableBinary's
   // endianness byte) for the header's, so that check lets it through.
   std::uint32_t server = 0;
@@ -399,7 +447,7 @@ void operator delete[](void* p, std::size_t) noexcept { std::free(p); }
 
 namespace {
 
-enum class SeedKind { manifest_file, shard_file, manifest_json, index };
+enum class SeedKind { manifest_file, shard_file, manifest_json, index, export_file };
 
 struct Seed {
   std::string name;
@@ -468,6 +516,7 @@ std::vector<Seed> seeds() {
   const Bytes manifest = manifest_file(f.manifest);
   out.push_back({cd::manifest_name, SeedKind::manifest_file, manifest, {16, 24, 32}, {8, 12}});
   out.push_back({"manifest json", SeedKind::manifest_json, Bytes(manifest.begin() + cd::header_bytes, manifest.end()), {}, {}});
+  out.push_back({"model.psx", SeedKind::export_file, f.model, {16, 24, 32}, {8, 12}});
   return out;
 }
 
@@ -605,7 +654,7 @@ struct Mutator {
       if (rng() % 2 && b.size() >= cd::header_bytes) {
         std::memcpy(b.data(), cd::magic, 8);
         put(b, 8, std::uint32_t{1});
-        put(b, 12, static_cast<std::uint32_t>(1 + rng() % 2));
+        put(b, 12, static_cast<std::uint32_t>(1 + rng() % 3));
         put(b, 24, static_cast<std::uint64_t>(below(b.size() - cd::header_bytes + 1)));
         put(b, 32, static_cast<std::uint64_t>(b.size() - cd::header_bytes - get<std::uint64_t>(b, 24)));
         reseal(b);
@@ -614,7 +663,8 @@ struct Mutator {
     }
     const Seed& s = all[below(all.size())];
     Bytes b = s.bytes;
-    const bool file = s.kind == SeedKind::manifest_file || s.kind == SeedKind::shard_file;
+    const bool file =
+        s.kind == SeedKind::manifest_file || s.kind == SeedKind::shard_file || s.kind == SeedKind::export_file;
     if (file && rng() % 2) {
       // Mutate a part as what it is and rebuild the file around it, lengths
       // and CRCs right: what a writer with a bug could produce.
@@ -623,6 +673,8 @@ struct Mutator {
       Bytes m(b.begin() + cd::header_bytes, mid), d(mid, b.end());
       if (s.kind == SeedKind::manifest_file) {
         mutate(m, {}, {}, true);
+      } else if (s.kind == SeedKind::export_file) {
+        mutate(rng() % 2 ? m : d, {}, {}, false);
       } else if (rng() % 4 != 0) {
         std::vector<std::size_t> fields;  // the index's, from the start of the meta part
         for (std::size_t f : s.u64_fields)

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Checkpoints across processes (issue 6's acceptance test on the ZeroMQ
-# transport): a cluster of processes trains 12 steps and saves; another
-# trains 6 steps and saves; a new cluster of new processes, with another
-# number of servers, restores that checkpoint and trains 6 more. The two
-# step-12 checkpoints must hold the same parameters and optimizer slots, bit
-# for bit, for Adam and for FTRL.
+# transport): a cluster of processes trains 100 steps and saves; another
+# trains 50 steps and saves; a new cluster of new processes, with another
+# number of servers, restores that checkpoint and trains 50 more. The two
+# step-100 checkpoints must hold the same parameters and optimizer slots,
+# bit for bit, for Adam and for FTRL.
 #
 #   checkpoint.sh PSX_LAUNCH NODE
 set -u
@@ -15,12 +15,12 @@ trap 'rm -rf "$work"' EXIT
 failures=0
 for opt in adam ftrl; do
   run() { "$launch" "$@" >>"$work/$opt.log" 2>&1 || { echo "FAIL ($opt): psx-launch $*"; cat "$work/$opt.log"; exit 1; }; }
-  run --ps 2 --workers 3 -- "$node" --optimizer "$opt" --steps 12 --save "$work/$opt-straight"
-  run --ps 2 --workers 3 -- "$node" --optimizer "$opt" --steps 6 --save "$work/$opt-halves"
-  run --ps 3 --workers 3 --transport ipc -- "$node" --optimizer "$opt" --steps 12 \
-    --restore "$work/$opt-halves/ckpt-0000000006" --save "$work/$opt-halves"
-  if "$node" --compare "$work/$opt-straight/ckpt-0000000012" "$work/$opt-halves/ckpt-0000000012"; then
-    echo "$opt: 12 steps straight == 6 steps, checkpoint, new processes (3 servers instead of 2), 6 more"
+  run --ps 2 --workers 3 -- "$node" --optimizer "$opt" --steps 100 --save "$work/$opt-straight"
+  run --ps 2 --workers 3 -- "$node" --optimizer "$opt" --steps 50 --save "$work/$opt-halves"
+  run --ps 3 --workers 3 --transport ipc -- "$node" --optimizer "$opt" --steps 100 \
+    --restore "$work/$opt-halves/ckpt-0000000050" --save "$work/$opt-halves"
+  if "$node" --compare "$work/$opt-straight/ckpt-0000000100" "$work/$opt-halves/ckpt-0000000100"; then
+    echo "$opt: 100 steps straight == 50 steps, checkpoint, new processes (3 servers instead of 2), 50 more"
   else
     failures=$((failures + 1))
   fi

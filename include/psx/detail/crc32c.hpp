@@ -48,16 +48,76 @@ std::uint32_t crc32_table(std::uint32_t crc, const unsigned char* p, std::size_t
   return crc;
 }
 
+// Appending `len` zero bytes to a CRC-32C register is linear: these four
+// tables apply that operator a byte of the register at a time (Mark
+// Adler's construction, crc32c.c, by squaring the one-zero-bit operator
+// over GF(2)). They combine the CRCs of three lanes computed side by side.
+struct Crc32cShift {
+  std::array<std::array<std::uint32_t, 256>, 4> t{};
+
+  static std::uint32_t times(const std::array<std::uint32_t, 32>& mat, std::uint32_t vec) noexcept {
+    std::uint32_t sum = 0;
+    for (std::size_t i = 0; vec; vec >>= 1, ++i)
+      if (vec & 1u) sum ^= mat[i];
+    return sum;
+  }
+  static void square(std::array<std::uint32_t, 32>& out, const std::array<std::uint32_t, 32>& mat) noexcept {
+    for (std::size_t n = 0; n < 32; ++n) out[n] = times(mat, mat[n]);
+  }
+  // `len` a power of two, at least 1.
+  explicit Crc32cShift(std::size_t len) noexcept {
+    std::array<std::uint32_t, 32> odd{}, even{};
+    odd[0] = 0x82F63B78u;  // one zero bit
+    for (std::uint32_t n = 1, row = 1; n < 32; ++n, row <<= 1) odd[n] = row;
+    square(even, odd);  // two zero bits
+    square(odd, even);  // four
+    for (;;) {
+      square(even, odd);  // a byte, then 4, 16, ... bytes
+      len >>= 1;
+      if (len == 0) break;
+      square(odd, even);
+      len >>= 1;
+      if (len == 0) {
+        even = odd;
+        break;
+      }
+    }
+    for (std::uint32_t n = 0; n < 256; ++n)
+      for (std::size_t b = 0; b < 4; ++b) t[b][n] = times(even, n << (8 * b));
+  }
+  std::uint32_t operator()(std::uint32_t crc) const noexcept {
+    return t[0][crc & 0xff] ^ t[1][(crc >> 8) & 0xff] ^ t[2][(crc >> 16) & 0xff] ^ t[3][crc >> 24];
+  }
+};
+
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+// The `crc32` instruction has a latency of 3 cycles and a throughput of 1:
+// three lanes of `lane` bytes each run side by side, then combine.
 __attribute__((target("sse4.2"))) inline std::uint32_t crc32c_sse42(std::uint32_t crc, const unsigned char* p,
                                                                     std::size_t n) noexcept {
-  std::uint64_t c = crc;
+  constexpr std::size_t lane = 8192;
+  static const Crc32cShift shift(lane);
+  std::uint64_t c0 = crc;
+  for (; n >= 3 * lane; n -= 3 * lane, p += 3 * lane) {
+    std::uint64_t c1 = 0, c2 = 0;
+    for (std::size_t i = 0; i < lane; i += 8) {
+      std::uint64_t w0, w1, w2;
+      std::memcpy(&w0, p + i, 8);
+      std::memcpy(&w1, p + lane + i, 8);
+      std::memcpy(&w2, p + 2 * lane + i, 8);
+      c0 = __builtin_ia32_crc32di(c0, w0);
+      c1 = __builtin_ia32_crc32di(c1, w1);
+      c2 = __builtin_ia32_crc32di(c2, w2);
+    }
+    c0 = shift(static_cast<std::uint32_t>(c0)) ^ c1;
+    c0 = shift(static_cast<std::uint32_t>(c0)) ^ c2;
+  }
   for (; n >= 8; n -= 8, p += 8) {
     std::uint64_t w;
     std::memcpy(&w, p, 8);
-    c = __builtin_ia32_crc32di(c, w);
+    c0 = __builtin_ia32_crc32di(c0, w);
   }
-  auto c32 = static_cast<std::uint32_t>(c);
+  auto c32 = static_cast<std::uint32_t>(c0);
   for (; n > 0; --n, ++p) c32 = __builtin_ia32_crc32qi(c32, *p);
   return c32;
 }
