@@ -7,8 +7,10 @@
 #include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <mutex>
 #include <string>
+#include <system_error>
 #include <thread>
 
 namespace psx_test {
@@ -41,6 +43,24 @@ class Watchdog {
   std::condition_variable cv_;
   bool done_ = false;
   std::thread thread_;
+};
+
+// A fresh directory of its own under the system's temp directory, removed
+// with everything in it when the scope ends.
+class TempDir {
+ public:
+  explicit TempDir(const std::string& prefix = "psx") {
+    std::string pattern = (std::filesystem::temp_directory_path() / (prefix + "-XXXXXX")).string();
+    REQUIRE(::mkdtemp(pattern.data()) != nullptr);
+    path = pattern;
+  }
+  TempDir(const TempDir&) = delete;
+  TempDir& operator=(const TempDir&) = delete;
+  ~TempDir() {
+    std::error_code ec;
+    std::filesystem::remove_all(path, ec);
+  }
+  std::filesystem::path path;
 };
 
 // Runs `f`, which must throw E, and returns the message.

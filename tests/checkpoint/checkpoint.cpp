@@ -17,6 +17,7 @@
 #include <vector>
 
 namespace fs = std::filesystem;
+using psx_test::TempDir;
 using psx_test::Watchdog;
 
 namespace {
@@ -25,20 +26,6 @@ constexpr std::size_t kWorkers = 2;
 constexpr std::size_t kRows = 7, kCols = 5;       // "w": dense, split by rows
 constexpr std::size_t kTable = 40, kDim = 4;      // "emb": sparse
 constexpr std::size_t kBatch = 6;
-
-// A fresh directory under the build tree's temp, removed at the end.
-struct TempDir {
-  fs::path path;
-  explicit TempDir(const std::string& name) {
-    path = fs::temp_directory_path() / ("psx-ckpt-test-" + std::to_string(::getpid()) + "-" + name);
-    fs::remove_all(path);
-    fs::create_directories(path);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-};
 
 float grad(float x, std::size_t worker, std::uint64_t t, std::size_t i) {
   // Deterministic, depends on the value pulled (so a wrong restore shows).

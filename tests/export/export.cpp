@@ -15,20 +15,9 @@
 #include <vector>
 
 namespace fs = std::filesystem;
+using psx_test::TempDir;
 
 namespace {
-
-struct TempDir {
-  fs::path path;
-  explicit TempDir(const std::string& name)
-      : path(fs::temp_directory_path() / ("psx-export-test-" + std::to_string(::getpid()) + "-" + name)) {
-    fs::remove_all(path);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-};
 
 std::vector<float> ramp(std::size_t n, float a, float b) {
   std::vector<float> v(n);

@@ -32,19 +32,7 @@ namespace fs = std::filesystem;
 using psx::transport::ClusterSpec;
 using psx::transport::TfConfig;
 using psx::transport::Zmq;
-
-struct TempDir {
-  fs::path path;
-  TempDir() {
-    std::string pattern = (fs::temp_directory_path() / "psx-zmq-XXXXXX").string();
-    REQUIRE(::mkdtemp(pattern.data()) != nullptr);
-    path = pattern;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-};
+using psx_test::TempDir;
 
 // A cluster of `ps` servers and `workers` workers (the first the chief):
 // tcp on loopback with ephemeral ports, or ipc in `dir`.
