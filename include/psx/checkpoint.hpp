@@ -609,6 +609,12 @@ inline DType parse_dtype(const std::string& s, const fs::path& file) {
   fail(file, "unknown dtype '" + s + "'");
 }
 
+inline std::string shape_text(const std::vector<std::uint64_t>& s) {
+  std::string out = "[";
+  for (std::size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
+  return out + "]";
+}
+
 // What RapidJSON (under cereal) must never see: JSON nested deeper than any
 // psx file writes (it parses recursively, so the stack could run out), and
 // numbers that are not integers (psx writes none, and RapidJSON 1.1.0, the
@@ -661,6 +667,13 @@ inline Manifest decode_manifest(std::span<const std::byte> json, const Header& h
   for (const ManifestVariable& v : m.variables) {
     const std::string what = "variable '" + v.name + "'";
     parse_dtype(v.dtype, file);
+    std::uint64_t width = 1;
+    for (std::size_t i = 1; i < v.shape.size(); ++i) {
+      if (v.shape[i] != 0 && width > (std::uint64_t{1} << 60) / v.shape[i]) fail(file, what + ": a shape that overflows");
+      width *= v.shape[i];
+    }
+    if (v.row_width != width)
+      fail(file, what + ": rows of " + std::to_string(v.row_width) + " floats for shape " + shape_text(v.shape));
     std::uint64_t expect = 0;
     for (const ManifestShard& s : v.shards) {
       if (s.row_begin != expect || s.row_end <= s.row_begin || s.server >= m.num_servers)
@@ -683,11 +696,6 @@ inline Manifest load_manifest(const fs::path& dir) {
 
 // -- restore: what a server reads ----------------------------------------------------------
 
-inline std::string shape_text(const std::vector<std::uint64_t>& s) {
-  std::string out = "[";
-  for (std::size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
-  return out + "]";
-}
 
 // Whether the checkpoint `m` in `dir` can restore `variables`: each is in
 // it with the same shape, dtype and row width, the optimizer keeps as many
@@ -744,7 +752,7 @@ inline std::uint64_t read_shards(const ::psx::detail::PersistRequest& r, std::sp
   for (const ManifestVariable& v : m.variables) by_name.emplace(v.name, &v);
   // Which file holds which rows of what each target needs.
   std::map<std::uint64_t, std::vector<std::size_t>> files;  // server -> targets
-  std::vector<std::uint64_t> covered(targets.size(), 0);
+  std::vector<std::vector<std::pair<std::uint64_t, std::uint64_t>>> covered(targets.size());  // rows read
   for (std::size_t t = 0; t < targets.size(); ++t) {
     auto& target = targets[t];
     const VariableMeta& meta = target.variable->meta;
@@ -752,10 +760,12 @@ inline std::uint64_t read_shards(const ::psx::detail::PersistRequest& r, std::sp
     check_variable(m, manifest_file, it == by_name.end() ? nullptr : it->second, meta, target.num_slots);
     const ManifestVariable& v = *it->second;
     const Shard& sh = target.variable->shards[target.index];
-    std::uint64_t holding = 0;  // bytes of the files that hold its rows
+    std::uint64_t holding = 0;  // bytes of the files that hold its rows, each counted once
     for (const ManifestShard& s : v.shards)
       if (s.row_begin < sh.row_end && sh.row_begin < s.row_end) {
-        files[s.server].push_back(t);
+        auto& wanted = files[s.server];
+        if (!wanted.empty() && wanted.back() == t) continue;  // several of its shards in one file
+        wanted.push_back(t);
         const fs::path file = dir / m.files[s.server].name;
         std::error_code ec;
         holding += fs::file_size(file, ec);
@@ -836,7 +846,7 @@ inline std::uint64_t read_shards(const ::psx::detail::PersistRequest& r, std::sp
           copies.push_back({rec.offset + ((k + 1) * rec.floats() + from) * 4, count * 4,
                             reinterpret_cast<std::byte*>(target.slots.data() + k * n + to)});
         target.version = std::max(target.version, rec.version);
-        covered[t] += hi - lo;
+        covered[t].emplace_back(lo, hi);
       }
     }
     std::sort(copies.begin(), copies.end(), [](const Copy& a, const Copy& b) { return a.src < b.src; });
@@ -888,10 +898,17 @@ inline std::uint64_t read_shards(const ::psx::detail::PersistRequest& r, std::sp
   }
   for (std::size_t t = 0; t < targets.size(); ++t) {
     const Shard& sh = targets[t].variable->shards[targets[t].index];
-    if (covered[t] != sh.rows())
-      fail(dir, "the shard files hold " + std::to_string(covered[t]) + " of the " + std::to_string(sh.rows()) +
-                    " rows [" + std::to_string(sh.row_begin) + ", " + std::to_string(sh.row_end) + ") of '" +
-                    targets[t].variable->meta.name + "' (two files claim the same rows, or one is missing them)");
+    // Every row exactly once: the rows read, in order, tile the shard.
+    auto& got = covered[t];
+    std::sort(got.begin(), got.end());
+    std::uint64_t expect = sh.row_begin;
+    std::size_t used = 0;
+    for (; used < got.size() && got[used].first == expect; ++used) expect = got[used].second;
+    if (expect != sh.row_end || used != got.size())
+      fail(dir, "the shard files do not hold the rows [" + std::to_string(sh.row_begin) + ", " +
+                    std::to_string(sh.row_end) + ") of '" + targets[t].variable->meta.name +
+                    "' exactly once (from row " + std::to_string(expect) +
+                    ": two files claim the same rows, or none has them)");
   }
   return m.step;
 }
@@ -1024,10 +1041,18 @@ Info save(const PS& ps, Worker& w, const std::filesystem::path& root) {
   if (w.is_chief()) {
     try {
       fs::create_directories(abs_root);
-      // A directory left by a save that failed or crashed: never complete.
-      for (const auto& e : fs::directory_iterator(abs_root)) {
-        const std::string name = e.path().filename().string();
-        if (name.rfind(".ckpt-", 0) == 0) fs::remove_all(e.path());
+      // What a save that failed or crashed left: a temporary directory is
+      // never complete; a replaced one (".old-") goes back into place when
+      // the crash came between the two renames that swap a step's checkpoint.
+      std::vector<fs::path> left;
+      for (const auto& e : fs::directory_iterator(abs_root))
+        if (e.path().filename().string().rfind(".ckpt-", 0) == 0) left.push_back(e.path());
+      for (const fs::path& p : left) {
+        const std::string name = p.filename().string();
+        const auto old = name.find(".old-");
+        const fs::path original = abs_root / name.substr(1, old == std::string::npos ? 0 : old - 1);
+        if (old != std::string::npos && !fs::exists(original)) detail::rename_path(p, original);
+        else fs::remove_all(p);
       }
       char suffix[24];
       std::snprintf(suffix, sizeof suffix, "%016llx", static_cast<unsigned long long>(detail::random64()));
@@ -1071,12 +1096,18 @@ Info save(const PS& ps, Worker& w, const std::filesystem::path& root) {
         detail::rename_path(temp, final_dir);
       }
       detail::fsync_path(abs_root, true);
+    } catch (const std::filesystem::filesystem_error& e) {  // creating or removing a directory
+      error = std::make_exception_ptr(checkpoint_error(std::string("psx: checkpoint in ") + abs_root.string() + ": " + e.what()));
     } catch (...) {
       error = std::current_exception();
     }
   }
-  w.barrier();  // nobody trains on while the chief saves
+  // Nobody trains on while the chief saves, and everyone learns whether it could.
+  const bool failed = w.agree_max(error ? 1 : 0) != 0;
   if (error) std::rethrow_exception(error);
+  if (failed)
+    throw checkpoint_error("psx: worker " + std::to_string(w.index()) + ": the chief could not save the checkpoint of step " +
+                           std::to_string(step) + " in " + abs_root.string() + " (its error says why)");
   return {final_dir, step};
 }
 
@@ -1114,8 +1145,11 @@ std::uint64_t restore(const PS& ps, Worker& w, const std::filesystem::path& dir)
       error = std::current_exception();
     }
   }
-  w.barrier();
+  const bool failed = w.agree_max(error ? 1 : 0) != 0;  // everyone learns whether it was restored
   if (error) std::rethrow_exception(error);
+  if (failed)
+    throw checkpoint_error("psx: worker " + std::to_string(w.index()) + ": the chief could not restore " +
+                           abs_dir.string() + "; nothing changed (its error says why)");
   ::psx::detail::WorkerAccess::set_clock(w, m.step);
   return m.step;
 }

@@ -39,6 +39,7 @@
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
+#include <map>
 #include <optional>
 #include <sstream>
 #include <string>
@@ -389,6 +390,8 @@ class ZipWriter {
   explicit ZipWriter(const fs::path& file) : out_(file), file_(file) {}
   void add(const std::string& name, const std::string& head, std::span<const std::byte> body) {
     const std::uint64_t size = head.size() + body.size();
+    if (name.size() > 0xffffu || entries_ == 0xffffu)
+      ck::fail(file_, "an .npz member name over 65535 bytes, or more than 65535 members: zip without ZIP64 has no room");
     if (size > 0xfffffffeu || offset_ + size + 30 + name.size() > 0xfffffffeu)
       ck::fail(file_, "an .npz over 4 GiB needs ZIP64, which psx does not write; export safetensors or model.psx");
     std::uint32_t crc = ::psx::detail::crc32_ieee(std::as_bytes(std::span(head)));
@@ -540,6 +543,18 @@ inline fs::path write_export(std::vector<Source> sources, std::uint64_t step, co
   std::vector<ExportedTensor> tensors;
   for (Source& s : sources)
     if (o.variables.empty() || matches(o.variables, s.name)) tensors.push_back(convert(s, o));
+  // The names the files use, the extra ones included (.npz and .safetensors):
+  // a variable named like another's scales or indices would overwrite them.
+  std::map<std::string, std::string> names;
+  for (const ExportedTensor& t : tensors) {
+    std::vector<std::string> own = {t.name};
+    if (t.sparse) own = {t.name + ".values", t.name + ".indices", t.name + ".shape"};
+    if (!t.scales.empty()) own.push_back(t.name + ".scale");
+    for (const std::string& n : own)
+      if (!names.emplace(n, t.name).second)
+        throw config_error("psx: export: '" + n + "' names a tensor of variable '" + t.name + "' and of variable '" +
+                           names[n] + "'; rename one");
+  }
   ExportMetadata m;
   m.step = step;
   m.version = version;
@@ -574,6 +589,10 @@ inline fs::path write_export(std::vector<Source> sources, std::uint64_t step, co
     ck::fsync_path(temp, true);
     ck::rename_path(temp, final_dir);
     ck::fsync_path(base, true);
+  } catch (const fs::filesystem_error& e) {
+    std::error_code ec;
+    fs::remove_all(temp, ec);
+    throw checkpoint_error("psx: export into " + base.string() + ": " + e.what());
   } catch (...) {
     std::error_code ec;
     fs::remove_all(temp, ec);
@@ -637,12 +656,17 @@ std::filesystem::path export_model(const PS&, Worker& w, const ExportOptions& op
         sources.push_back(std::move(s));
       }
       detail::exports::write_export(std::move(sources), step, options);
+    } catch (const std::filesystem::filesystem_error& e) {  // creating the base directory
+      error = std::make_exception_ptr(checkpoint_error(std::string("psx: export: ") + e.what()));
     } catch (...) {
       error = std::current_exception();
     }
   }
-  w.barrier();
+  const bool failed = w.agree_max(error ? 1 : 0) != 0;  // everyone learns whether it was written
   if (error) std::rethrow_exception(error);
+  if (failed)
+    throw checkpoint_error("psx: worker " + std::to_string(w.index()) + ": the chief could not export into " +
+                           dir.string() + " (its error says why)");
   return dir;
 }
 

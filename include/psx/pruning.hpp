@@ -90,6 +90,7 @@ struct Pruned {
   PolynomialDecaySparsity schedule{};
   std::vector<std::string> names{};
 
+  static constexpr bool accepts_rows = psx::accepts_rows<O>();
   std::size_t slots() const noexcept { return optimizer.slots() + 1; }
   float initial_slot(std::size_t k) const { return k < optimizer.slots() ? psx::initial_slot(optimizer, k) : 1.0f; }
   void validate(const VariableMeta& v, std::size_t shards) const {
@@ -126,13 +127,13 @@ struct Pruned {
     const auto k = static_cast<std::size_t>(std::floor(sparsity * static_cast<double>(w.size())));
     std::fill(mask.begin(), mask.end(), 1.0f);
     if (k == 0) return;
-    std::vector<std::uint32_t> order(w.size());
-    std::iota(order.begin(), order.end(), 0u);
-    auto magnitude = [&](std::uint32_t i) {  // NaN ranks last (kept), so the order stays strict
+    std::vector<std::size_t> order(w.size());
+    std::iota(order.begin(), order.end(), std::size_t{0});
+    auto magnitude = [&](std::size_t i) {  // NaN ranks last (kept), so the order stays strict
       const float a = std::fabs(w[i]);
       return std::isnan(a) ? INFINITY : a;
     };
-    auto smaller = [&](std::uint32_t a, std::uint32_t b) {
+    auto smaller = [&](std::size_t a, std::size_t b) {
       const float x = magnitude(a), y = magnitude(b);
       return x < y || (x == y && a < b);
     };

@@ -347,7 +347,7 @@ class Server final : public RequestHandler {
                          ": asked to save a checkpoint, but this program does not include psx/checkpoint.hpp");
     const std::size_t num_slots = optimizer_.slots();
     std::vector<detail::SavedShard> out;
-    std::vector<std::vector<float>> staged;  // state copied out of storage that is not in host memory
+    std::deque<std::vector<float>> staged;  // state copied out of storage that is not in host memory (stable addresses)
     for (auto& per_variable : shards_)
       for (std::size_t k = 0; k < per_variable.size(); ++k) {
         if (!per_variable[k]) continue;

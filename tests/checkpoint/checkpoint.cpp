@@ -311,6 +311,69 @@ TEST_CASE("checkpoint: every kind of damage is named, and a refused checkpoint c
   }
 }
 
+// Row blocks of 2 alternately on servers 0 and 1: several shards of one
+// variable on one server (the Partitioner concept allows it).
+struct Alternating {
+  std::vector<psx::Shard> place(const psx::VariableMeta& v, std::size_t num_servers) const {
+    std::vector<psx::Shard> out;
+    for (std::size_t r = 0, k = 0; r < v.rows; r += 2, ++k) out.push_back({k % num_servers, r, std::min(r + 2, v.rows)});
+    return out;
+  }
+};
+
+TEST_CASE("checkpoint: several shards of a variable on one server restore into another layout") {
+  TempDir root("ckpt-alternating");
+  std::vector<float> w_saved;
+  {
+    psx::ParameterServer<Alternating, psx::sync::Synchronous, psx::optim::Adam> ps({2, 1}, {}, {}, {.lr = 0.01});
+    declare(ps);
+    ps.run([&](psx::Worker& w) {
+      for (int i = 0; i < 3; ++i) train_step(w);
+      psx::checkpoint::save(ps, w, root.path);
+    });
+    w_saved = ps.read("w");
+  }
+  CHECK(same_bits(psx::checkpoint::load_variable(dir_of(root.path, 3), "w").values, w_saved));
+  Cluster<psx::optim::Adam> one({1, 1}, {}, {}, {.lr = 0.01});
+  declare(one);
+  one.run([&](psx::Worker& w) { CHECK(psx::checkpoint::restore(one, w, dir_of(root.path, 3)) == 3); });
+  CHECK(same_bits(one.read("w"), w_saved));
+}
+
+TEST_CASE("checkpoint: a save or a restore that fails throws on every worker, not on the chief alone") {
+  Watchdog dog("failure on every worker");
+  TempDir root("ckpt-everyone");
+  Cluster<psx::optim::Adam> ps({2, 3}, {}, {}, {.lr = 0.01});
+  declare(ps);
+  std::atomic<int> save_errors{0}, restore_errors{0};
+  ps.run([&](psx::Worker& w) {
+    train_step(w);
+    if (w.is_chief()) psx::checkpoint::detail::fault_countdown() = 3;
+    w.barrier();
+    try {
+      psx::checkpoint::save(ps, w, root.path);
+    } catch (const psx::checkpoint_error& e) {
+      ++save_errors;
+      if (!w.is_chief()) CHECK(std::string(e.what()).find("the chief could not save") != std::string::npos);
+    }
+    w.barrier();
+    if (w.is_chief()) psx::checkpoint::detail::fault_countdown() = 0;
+    psx::checkpoint::save(ps, w, root.path);  // a good one, at step 1
+    const fs::path dir = dir_of(root.path, 1);
+    w.barrier();
+    if (w.is_chief()) fs::resize_file(dir / "server-00001.psx", 100);  // then damaged
+    w.barrier();
+    try {
+      psx::checkpoint::restore(ps, w, dir);
+    } catch (const psx::checkpoint_error&) {
+      ++restore_errors;
+      CHECK(w.clock() == 1);  // unchanged
+    }
+  });
+  CHECK(save_errors == 3);
+  CHECK(restore_errors == 3);
+}
+
 TEST_CASE("checkpoint: another optimizer's state is refused with both named") {
   TempDir root("optimizer");
   train(psx::optim::Adam{.lr = 0.01}, 2, 2, {}, root.path);

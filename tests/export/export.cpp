@@ -145,6 +145,22 @@ TEST_CASE("export: an existing version is never overwritten, and a damaged model
                        psx::checkpoint_error);
 }
 
+TEST_CASE("export: a variable named like another's scales is refused before anything is written") {
+  TempDir base("psx-export-collide");
+  SGDCluster ps({1, 1}, {}, {}, {1.0});
+  ps.declare(psx::dense("x", {4, 4}));
+  ps.declare(psx::dense("x.scale", {4}));
+  ps.run([&](psx::Worker& w) {
+    set_values(ps, w, {{"x", ramp(16, 0.1f, -0.5f)}, {"x.scale", ramp(4, 1.0f, 1.0f)}});
+    psx::ExportOptions o;
+    o.base = base.path;
+    o.precision = psx::ExportPrecision::int8_per_channel;
+    CHECK_THROWS_WITH_AS(psx::export_model(ps, w, o), doctest::Contains("'x.scale' names a tensor of variable"),
+                         psx::config_error);
+  });
+  CHECK(fs::is_empty(base.path));
+}
+
 TEST_CASE("export: from a checkpoint, without a cluster") {
   TempDir root("from-ckpt"), base("from-ckpt-export");
   SGDCluster ps({2, 1}, {}, {}, {1.0});
