@@ -1029,7 +1029,8 @@ inline std::optional<Info> latest(const std::filesystem::path& root) {
 //! chief has every server write its shards into a temporary directory,
 //! writes the manifest, and renames the directory into place; the others
 //! wait on barriers. A save that fails (on any server) leaves the earlier
-//! checkpoints as they were and throws on the chief.
+//! checkpoints as they were and throws checkpoint_error on every worker
+//! (the chief's own error on the chief).
 template <class PS>
 Info save(const PS& ps, Worker& w, const std::filesystem::path& root) {
   namespace fs = std::filesystem;
@@ -1120,9 +1121,9 @@ Info save(const PS& ps, Worker& w, const std::filesystem::path& root) {
 //! variables and every shard file's header and size; then every server
 //! reads what its shards need and checks every CRC, keeping it aside; only
 //! when all of them could does the chief have them apply it. A checkpoint
-//! refused at any point changes nothing anywhere and throws on the chief
-//! (checkpoint_error naming the file and the problem); the other workers
-//! then learn of it from the chief's failure, as from any other.
+//! refused at any point changes nothing anywhere (no clock either) and
+//! throws on every worker: on the chief the checkpoint_error naming the
+//! file and the problem, on the others one saying the chief could not.
 template <class PS>
 std::uint64_t restore(const PS& ps, Worker& w, const std::filesystem::path& dir) {
   const std::filesystem::path abs_dir = std::filesystem::absolute(dir);

@@ -636,8 +636,9 @@ inline const ExportedTensor& Export::operator[](std::string_view name) const {
 //! Exports the cluster's variables into `options.base/<version>/`; returns
 //! that directory. Collective like a checkpoint save: every worker calls it
 //! at the same step, the chief reads every variable and writes, the others
-//! wait on barriers. Throws on the chief when the export fails (the base
-//! directory then holds no new version).
+//! wait on barriers. An export that fails throws on every worker (the
+//! chief's own error on the chief); the base directory then holds no new
+//! version.
 template <class PS>
 std::filesystem::path export_model(const PS&, Worker& w, const ExportOptions& options) {
   const std::uint64_t step = w.clock();
