@@ -1024,6 +1024,32 @@ inline std::optional<Info> latest(const std::filesystem::path& root) {
   return all.back();
 }
 
+namespace detail {
+
+// Runs `f` on the chief alone, then a barrier in which every worker learns
+// whether it worked (Worker::agree_max): the chief rethrows its own error,
+// the others throw a checkpoint_error saying the chief could not `what`.
+template <class F>
+void on_chief(Worker& w, const std::string& what, F&& f) {
+  std::exception_ptr error;
+  if (w.is_chief()) {
+    try {
+      f();
+    } catch (const std::filesystem::filesystem_error& e) {  // creating or removing a directory
+      error = std::make_exception_ptr(checkpoint_error("psx: " + what + ": " + e.what()));
+    } catch (...) {
+      error = std::current_exception();
+    }
+  }
+  const bool failed = w.agree_max(error ? 1 : 0) != 0;
+  if (error) std::rethrow_exception(error);
+  if (failed)
+    throw checkpoint_error("psx: worker " + std::to_string(w.index()) + ": the chief could not " + what +
+                           " (its error says why)");
+}
+
+}  // namespace detail
+
 //! Saves the cluster's state into `root/ckpt-<step>` (step: the worker's
 //! clock, the same on every worker). Collective: every worker calls it; the
 //! chief has every server write its shards into a temporary directory,
@@ -1038,77 +1064,65 @@ Info save(const PS& ps, Worker& w, const std::filesystem::path& root) {
   const fs::path abs_root = fs::absolute(root);
   const fs::path final_dir = abs_root / detail::checkpoint_dir_name(step);
   w.barrier();  // every worker's pushes of this step have reached the servers
-  std::exception_ptr error;
-  if (w.is_chief()) {
-    try {
-      fs::create_directories(abs_root);
-      // What a save that failed or crashed left: a temporary directory is
-      // never complete; a replaced one (".old-") goes back into place when
-      // the crash came between the two renames that swap a step's checkpoint.
-      std::vector<fs::path> left;
-      for (const auto& e : fs::directory_iterator(abs_root))
-        if (e.path().filename().string().rfind(".ckpt-", 0) == 0) left.push_back(e.path());
-      for (const fs::path& p : left) {
-        const std::string name = p.filename().string();
-        const auto old = name.find(".old-");
-        const fs::path original = abs_root / name.substr(1, old == std::string::npos ? 0 : old - 1);
-        if (old != std::string::npos && !fs::exists(original)) detail::rename_path(p, original);
-        else fs::remove_all(p);
-      }
-      char suffix[24];
-      std::snprintf(suffix, sizeof suffix, "%016llx", static_cast<unsigned long long>(detail::random64()));
-      const fs::path temp = abs_root / ("." + detail::checkpoint_dir_name(step) + ".tmp-" + suffix);
-      fs::create_directory(temp);
-      ::psx::detail::WorkerAccess::call_every_server(w, Op::save, step, temp.string());
-      const auto cluster = detail::describe_cluster(ps);
-      Manifest m;
-      m.step = step;
-      m.created_unix = std::chrono::duration_cast<std::chrono::seconds>(
-                           std::chrono::system_clock::now().time_since_epoch())
-                           .count();
-      m.num_servers = cluster.num_servers;
-      m.num_workers = cluster.num_workers;
-      m.partitioner = cluster.partitioner;
-      m.sync_policy = cluster.sync_policy;
-      m.optimizer = cluster.optimizer;
-      m.optimizer_slots = cluster.optimizer_slots;
-      for (const VariableInfo& v : ::psx::detail::WorkerAccess::variables(w)) {
-        ManifestVariable mv{v.meta.name, {v.meta.shape.begin(), v.meta.shape.end()},
-                            v.meta.kind == VariableKind::dense ? "dense" : "sparse", dtype_name(v.meta.dtype),
-                            v.trainable, v.meta.row_width, {}};
-        for (const Shard& s : v.shards) mv.shards.push_back({s.server, s.row_begin, s.row_end});
-        m.variables.push_back(std::move(mv));
-      }
-      for (std::size_t s = 0; s < cluster.num_servers; ++s) {
-        const std::string name = detail::server_file_name(s);
-        std::uint64_t size = 0;
-        const auto h = detail::read_header(temp / name, detail::FileKind::shards, &size);
-        if (h.step != step || h.server != s) detail::fail(temp / name, "written for another step or server");
-        m.files.push_back({name, size, h.crc});
-      }
-      detail::write_manifest(temp, m);
-      detail::fsync_path(temp, true);
-      if (fs::exists(final_dir)) {  // this step was saved before: the new one replaces it
-        const fs::path old = abs_root / ("." + detail::checkpoint_dir_name(step) + ".old-" + suffix);
-        detail::rename_path(final_dir, old);
-        detail::rename_path(temp, final_dir);
-        fs::remove_all(old);
-      } else {
-        detail::rename_path(temp, final_dir);
-      }
-      detail::fsync_path(abs_root, true);
-    } catch (const std::filesystem::filesystem_error& e) {  // creating or removing a directory
-      error = std::make_exception_ptr(checkpoint_error(std::string("psx: checkpoint in ") + abs_root.string() + ": " + e.what()));
-    } catch (...) {
-      error = std::current_exception();
-    }
-  }
   // Nobody trains on while the chief saves, and everyone learns whether it could.
-  const bool failed = w.agree_max(error ? 1 : 0) != 0;
-  if (error) std::rethrow_exception(error);
-  if (failed)
-    throw checkpoint_error("psx: worker " + std::to_string(w.index()) + ": the chief could not save the checkpoint of step " +
-                           std::to_string(step) + " in " + abs_root.string() + " (its error says why)");
+  detail::on_chief(w, "save the checkpoint of step " + std::to_string(step) + " in " + abs_root.string(), [&] {
+    fs::create_directories(abs_root);
+    // What a save that failed or crashed left: a temporary directory is
+    // never complete; a replaced one (".old-") goes back into place when
+    // the crash came between the two renames that swap a step's checkpoint.
+    std::vector<fs::path> left;
+    for (const auto& e : fs::directory_iterator(abs_root))
+      if (e.path().filename().string().rfind(".ckpt-", 0) == 0) left.push_back(e.path());
+    for (const fs::path& p : left) {
+      const std::string name = p.filename().string();
+      const auto old = name.find(".old-");
+      const fs::path original = abs_root / name.substr(1, old == std::string::npos ? 0 : old - 1);
+      if (old != std::string::npos && !fs::exists(original)) detail::rename_path(p, original);
+      else fs::remove_all(p);
+    }
+    char suffix[24];
+    std::snprintf(suffix, sizeof suffix, "%016llx", static_cast<unsigned long long>(detail::random64()));
+    const fs::path temp = abs_root / ("." + detail::checkpoint_dir_name(step) + ".tmp-" + suffix);
+    fs::create_directory(temp);
+    ::psx::detail::WorkerAccess::call_every_server(w, Op::save, step, temp.string());
+    const auto cluster = detail::describe_cluster(ps);
+    Manifest m;
+    m.step = step;
+    m.created_unix = std::chrono::duration_cast<std::chrono::seconds>(
+                         std::chrono::system_clock::now().time_since_epoch())
+                         .count();
+    m.num_servers = cluster.num_servers;
+    m.num_workers = cluster.num_workers;
+    m.partitioner = cluster.partitioner;
+    m.sync_policy = cluster.sync_policy;
+    m.optimizer = cluster.optimizer;
+    m.optimizer_slots = cluster.optimizer_slots;
+    for (const VariableInfo& v : ::psx::detail::WorkerAccess::variables(w)) {
+      ManifestVariable mv{v.meta.name, {v.meta.shape.begin(), v.meta.shape.end()},
+                          v.meta.kind == VariableKind::dense ? "dense" : "sparse", dtype_name(v.meta.dtype),
+                          v.trainable, v.meta.row_width, {}};
+      for (const Shard& s : v.shards) mv.shards.push_back({s.server, s.row_begin, s.row_end});
+      m.variables.push_back(std::move(mv));
+    }
+    for (std::size_t s = 0; s < cluster.num_servers; ++s) {
+      const std::string name = detail::server_file_name(s);
+      std::uint64_t size = 0;
+      const auto h = detail::read_header(temp / name, detail::FileKind::shards, &size);
+      if (h.step != step || h.server != s) detail::fail(temp / name, "written for another step or server");
+      m.files.push_back({name, size, h.crc});
+    }
+    detail::write_manifest(temp, m);
+    detail::fsync_path(temp, true);
+    if (fs::exists(final_dir)) {  // this step was saved before: the new one replaces it
+      const fs::path old = abs_root / ("." + detail::checkpoint_dir_name(step) + ".old-" + suffix);
+      detail::rename_path(final_dir, old);
+      detail::rename_path(temp, final_dir);
+      fs::remove_all(old);
+    } else {
+      detail::rename_path(temp, final_dir);
+    }
+    detail::fsync_path(abs_root, true);
+  });
   return {final_dir, step};
 }
 
@@ -1128,29 +1142,20 @@ template <class PS>
 std::uint64_t restore(const PS& ps, Worker& w, const std::filesystem::path& dir) {
   const std::filesystem::path abs_dir = std::filesystem::absolute(dir);
   const Manifest m = detail::load_manifest(abs_dir);
-  std::exception_ptr error;
-  if (w.is_chief()) {
+  // Everyone learns whether it was restored.
+  detail::on_chief(w, "restore " + abs_dir.string() + "; nothing changed", [&] {
+    detail::check_compatible(m, abs_dir, ::psx::detail::WorkerAccess::variables(w), ps.optimizer().slots());
     try {
-      detail::check_compatible(m, abs_dir, ::psx::detail::WorkerAccess::variables(w), ps.optimizer().slots());
-      try {
-        ::psx::detail::WorkerAccess::call_every_server(w, Op::restore, m.step, abs_dir.string());
-      } catch (...) {
-        try {  // servers that read their part drop it
-          ::psx::detail::WorkerAccess::call_every_server(w, Op::restore, m.step, "-");
-        } catch (...) {
-        }
-        throw;
-      }
-      ::psx::detail::WorkerAccess::call_every_server(w, Op::restore, m.step, "");
+      ::psx::detail::WorkerAccess::call_every_server(w, Op::restore, m.step, abs_dir.string());
     } catch (...) {
-      error = std::current_exception();
+      try {  // servers that read their part drop it
+        ::psx::detail::WorkerAccess::call_every_server(w, Op::restore, m.step, "-");
+      } catch (...) {
+      }
+      throw;
     }
-  }
-  const bool failed = w.agree_max(error ? 1 : 0) != 0;  // everyone learns whether it was restored
-  if (error) std::rethrow_exception(error);
-  if (failed)
-    throw checkpoint_error("psx: worker " + std::to_string(w.index()) + ": the chief could not restore " +
-                           abs_dir.string() + "; nothing changed (its error says why)");
+    ::psx::detail::WorkerAccess::call_every_server(w, Op::restore, m.step, "");
+  });
   ::psx::detail::WorkerAccess::set_clock(w, m.step);
   return m.step;
 }

@@ -645,29 +645,18 @@ std::filesystem::path export_model(const PS&, Worker& w, const ExportOptions& op
   const std::filesystem::path dir =
       std::filesystem::absolute(options.base) / std::to_string(options.version.value_or(step));
   w.barrier();
-  std::exception_ptr error;
-  if (w.is_chief()) {
-    try {
-      std::vector<detail::exports::Source> sources;
-      for (const VariableInfo& v : ::psx::detail::WorkerAccess::variables(w)) {
-        if (!options.variables.empty() && !detail::exports::matches(options.variables, v.meta.name)) continue;
-        detail::exports::Source s{v.meta.name, {v.meta.shape.begin(), v.meta.shape.end()}, v.trainable,
-                                  std::vector<float>(v.meta.size())};
-        ::psx::detail::WorkerAccess::read(w, v.meta.name, s.values);
-        sources.push_back(std::move(s));
-      }
-      detail::exports::write_export(std::move(sources), step, options);
-    } catch (const std::filesystem::filesystem_error& e) {  // creating the base directory
-      error = std::make_exception_ptr(checkpoint_error(std::string("psx: export: ") + e.what()));
-    } catch (...) {
-      error = std::current_exception();
+  // Everyone learns whether it was written.
+  checkpoint::detail::on_chief(w, "export into " + dir.string(), [&] {
+    std::vector<detail::exports::Source> sources;
+    for (const VariableInfo& v : ::psx::detail::WorkerAccess::variables(w)) {
+      if (!options.variables.empty() && !detail::exports::matches(options.variables, v.meta.name)) continue;
+      detail::exports::Source s{v.meta.name, {v.meta.shape.begin(), v.meta.shape.end()}, v.trainable,
+                                std::vector<float>(v.meta.size())};
+      ::psx::detail::WorkerAccess::read(w, v.meta.name, s.values);
+      sources.push_back(std::move(s));
     }
-  }
-  const bool failed = w.agree_max(error ? 1 : 0) != 0;  // everyone learns whether it was written
-  if (error) std::rethrow_exception(error);
-  if (failed)
-    throw checkpoint_error("psx: worker " + std::to_string(w.index()) + ": the chief could not export into " +
-                           dir.string() + " (its error says why)");
+    detail::exports::write_export(std::move(sources), step, options);
+  });
   return dir;
 }
 
