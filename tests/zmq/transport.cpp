@@ -582,3 +582,48 @@ TEST_CASE("zmq: many requests in flight from one worker, answered into the right
   server.thread.join();
   REQUIRE_FALSE(server.error);
 }
+
+TEST_CASE("zmq: callers on several threads send on the worker's sockets at once, each answer lands in its buffer") {
+  // Callers send on the server's socket themselves (no hand-off to the I/O
+  // thread) while the I/O thread receives on it: 4 threads, each with its
+  // own handle on the worker, keep pulls in flight at the same time.
+  psx_test::Watchdog dog("zmq callers on threads");
+  TempDir dir;
+  const ClusterSpec c = spec(1, 1, false, dir.path);
+  ServerThread server(c, dir.path, 1, [](auto& ps) { declare_fuzz(ps); });
+  {
+    ZmqCluster<psx::partition::HashByName, psx::sync::Synchronous, psx::optim::SGD> chief(
+        {1, 1, std::chrono::milliseconds(2000)}, {}, {}, {}, settings(c, "chief", 0, dir.path));
+    declare_fuzz(chief);
+    const auto w0 = chief.read("w");
+    const auto e0 = chief.read("emb");
+    const auto f0 = chief.read("frozen");
+    std::atomic<int> wrong{0};
+    std::vector<std::thread> callers;
+    for (std::size_t t = 0; t < 4; ++t)
+      callers.emplace_back([&, t] {
+        psx::Worker w = chief.worker(0);
+        std::mt19937_64 rng(t);
+        for (int round = 0; round < 100; ++round) {
+          std::vector<std::uint64_t> ids(1 + rng() % 20);
+          for (auto& id : ids) id = rng() % 500;
+          std::vector<float> rows(ids.size() * 8), dense(1000), frozen(777);
+          auto a = w.pull_rows_async("emb", ids, rows);
+          auto b = w.pull_async("w", dense);
+          auto d = w.pull_async("frozen", frozen);
+          a.wait();
+          b.wait();
+          d.wait();
+          bool ok = dense == w0 && frozen == f0;
+          for (std::size_t j = 0; j < ids.size(); ++j)
+            ok = ok && std::memcmp(rows.data() + j * 8, e0.data() + ids[j] * 8, 8 * sizeof(float)) == 0;
+          if (!ok) ++wrong;
+        }
+      });
+    for (auto& t : callers) t.join();
+    CHECK(wrong.load() == 0);
+    chief.worker(0).leave();
+  }
+  server.thread.join();
+  REQUIRE_FALSE(server.error);
+}

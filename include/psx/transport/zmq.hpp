@@ -8,8 +8,9 @@
 //! same variables and calls `run`; a server process serves until the chief
 //! has shut down and every worker has left (or been lost), a worker process
 //! runs its worker. Sockets: each server binds one ROUTER; each worker
-//! process connects one DEALER per server, owned by an I/O thread, so many
-//! requests can be in flight. docs/distributed.md tells how to run it,
+//! process connects one DEALER per server: callers send on it from their
+//! own threads, an I/O thread takes the answers, so many requests can be in
+//! flight. docs/distributed.md tells how to run it,
 //! docs/wire.md what travels.
 #pragma once
 
@@ -25,6 +26,7 @@
 #include <zmq_addon.hpp>
 
 #include <fcntl.h>
+#include <poll.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
 
@@ -109,9 +111,9 @@ struct Zmq {
   //! to a small call (64 KiB or less both ways) is due; an answer that comes
   //! within it is taken without a thread wake-up. Costs that much CPU per
   //! call at most. bench_zmq, 4 KiB round trip over tcp on a 2-core
-  //! machine: 1.7x a raw cppzmq ping-pong with 0, 1.3x with 200 us; spinning
-  //! during 1 MiB transfers cost them up to half their throughput there,
-  //! hence the size limit.
+  //! machine: 1.7x a raw cppzmq ping-pong with 0, 1.1-1.3x with 200 us;
+  //! spinning during 1 MiB transfers cost them up to half their throughput
+  //! there, hence the size limit.
   std::chrono::microseconds busy_poll{200};
   Curve curve;
 
@@ -196,7 +198,7 @@ zmq::message_t borrowed(const ::psx::detail::wire::Segment& seg, const std::shar
       hint);
 }
 
-// An eventfd that wakes a zmq_poll from another thread.
+// An eventfd that wakes a poll from another thread.
 class Waker {
  public:
   Waker() : fd_(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)) {
@@ -251,7 +253,8 @@ inline int ms_until(clock::time_point t, clock::time_point now) {
 }  // namespace detail_zmq
 
 //! The per-process link: a server side when this process is a ps task, a
-//! worker side (I/O thread, one DEALER per server) when it is a worker.
+//! worker side (one DEALER per server, an I/O thread for the answers) when
+//! it is a worker.
 class Zmq::link_type {
   using clock = detail_zmq::clock;
   static constexpr std::size_t busy_poll_max_bytes = 64 * 1024;
@@ -324,12 +327,10 @@ class Zmq::link_type {
       throw config_error("psx: request for server " + std::to_string(server) + " of " +
                          std::to_string(ctx_.num_servers));
     auto call = std::make_shared<WorkerCall>();
-    // The call owns the completion only once it is queued: if send throws,
-    // the caller finishes this part (Worker::dispatch), and it must not be
-    // finished twice.
+    // The call owns the completion only once it is sent or queued: if send
+    // throws, the caller finishes this part (Worker::dispatch), and it must
+    // not be finished twice.
     std::shared_ptr<Completion> done = std::move(r.done);
-    Outgoing out;
-    out.server = server;
     std::vector<::psx::detail::wire::Segment> segs;
     const bool rows = r.op == Op::pull_rows || r.op == Op::push_rows;
     for (Item& item : r.items) {
@@ -369,17 +370,39 @@ class Zmq::link_type {
     const std::uint64_t id = done ? next_call_.fetch_add(1) + 1 : 0;
     ::psx::detail::wire::RequestHead head{id, fingerprint_, settings_.chunk_bytes};
     auto header = ::psx::detail::wire::encode_request(r, head, segs);
-    out.frames.push_back(detail_zmq::message_of(header));
-    for (const auto& seg : segs) out.frames.push_back(detail_zmq::borrowed(seg, call));
-    out.call = head.call ? call : nullptr;
-    out.id = head.call;
+    Frames frames;
+    frames.push_back(detail_zmq::message_of(header));
+    for (const auto& seg : segs) frames.push_back(detail_zmq::borrowed(seg, call));
+    bool wake = false;
     {
-      std::lock_guard lock(mu_);
-      if (closing_) throw shutdown_error("psx: worker " + std::to_string(*worker_index_) + ": the link is closed");
-      queue_.push_back(std::move(out));
+      Lane& lane = lanes_[server];
+      std::lock_guard lane_lock(lane.mu);
+      {
+        std::lock_guard lock(mu_);
+        if (closing_) throw shutdown_error("psx: worker " + std::to_string(*worker_index_) + ": the link is closed");
+      }
+      // Straight onto the socket from the caller's thread, with no hand-off
+      // to the I/O thread, unless older requests still wait (order kept).
+      if (!lane.outbox.empty() || !send_frames(dealers_[server], frames)) {
+        lane.outbox.push_back(std::move(frames));
+        wake = true;
+      }
+      // Registered before the lane is let go: the I/O thread reads this
+      // server's answers only while it holds the lane.
+      if (id != 0) {
+        call->id = id;
+        call->server = server;
+        lane.sent.push_back(call);
+      }
       call->done = std::move(done);
+      // ZMQ_FD is edge-triggered: this send may have taken the notice of an
+      // answer that had come, which the I/O thread then would not see.
+      if (!wake && (dealers_[server].get(zmq::sockopt::events) & ZMQ_POLLIN)) wake = true;
+      // A small call's answer comes within a wake-up's time: the I/O thread
+      // wakes now, while the request travels, and looks for it (busy_poll).
+      if (id != 0 && settings_.busy_poll.count() > 0 && call->bytes <= busy_poll_max_bytes) wake = true;
     }
-    waker_.wake();
+    if (wake) waker_.wake();
   }
 
   // -- server side ---------------------------------------------------------------
@@ -433,6 +456,7 @@ class Zmq::link_type {
     std::exception_ptr error;
     std::vector<Out> outs;
     std::vector<std::vector<float>> gathered;
+    std::uint64_t id = 0;
     std::size_t server = 0;
     std::size_t bytes = 0;  // payload both ways
     // When the call fails unless answered (its server restarted), and why.
@@ -461,11 +485,16 @@ class Zmq::link_type {
     return std::any_of(pending.begin(), pending.end(), [&](const auto& p) { return p.second->server == s; });
   }
 
-  struct Outgoing {
-    std::size_t server = 0;
-    std::uint64_t id = 0;
-    std::vector<zmq::message_t> frames;
-    std::shared_ptr<WorkerCall> call;
+  using Frames = std::vector<zmq::message_t>;
+
+  // What a worker shares with its callers about one server. Callers send on
+  // the server's socket themselves; the I/O thread receives on it; the lane's
+  // mutex makes them take turns (a socket is not thread-safe, and libzmq
+  // allows a socket to move between threads with a full barrier between).
+  struct Lane {
+    std::mutex mu;
+    std::deque<Frames> outbox;                      // waits for the socket to take it
+    std::vector<std::shared_ptr<WorkerCall>> sent;  // waits for the I/O thread to expect its answer
   };
 
   std::string server_name(std::size_t s) const {
@@ -945,6 +974,7 @@ class Zmq::link_type {
       }
     }
     last_heard_.assign(n, clock::now());
+    lanes_ = std::make_unique<Lane[]>(n);
     io_ = std::thread([this] { io_loop(); });
   }
 
@@ -962,46 +992,47 @@ class Zmq::link_type {
 
   void io_loop() {
     const std::size_t n = dealers_.size();
-    std::vector<std::deque<Outgoing>> outbox(n);
     Pending pending;
     const auto timeout = ctx_.peer_timeout;
     const auto beat = timeout.count() > 0 ? std::max<clock::duration>(timeout / 4, std::chrono::milliseconds(1))
                                           : clock::duration::max();
     auto next_beat = timeout.count() > 0 ? clock::now() + beat : clock::time_point::max();
-    bool closing = false;
+    // Lane `s` held: the calls sent since the last look now wait for answers.
+    auto take_sent = [&](std::size_t s) {
+      for (auto& call : lanes_[s].sent) {
+        // The silence that counts against a server starts when a call
+        // starts waiting on it.
+        if (!waits_on(pending, s)) last_heard_[s] = std::max(last_heard_[s], clock::now());
+        const std::uint64_t id = call->id;
+        pending.emplace(id, std::move(call));
+      }
+      lanes_[s].sent.clear();
+    };
     auto fail_server = [&](std::size_t s, const std::string& why) {
+      std::lock_guard lock(lanes_[s].mu);
+      take_sent(s);
       fail_calls(pending, s, [&] { return std::make_exception_ptr(peer_lost(why)); });
       // libzmq may still hold frames that borrow the callers' buffers, in a
       // pipe to a peer that is gone: a new socket (linger 0 on the old one)
       // lets them go, so the failed calls complete, and reconnects to a
       // server that restarts on the same endpoint.
-      outbox[s].clear();
+      lanes_[s].outbox.clear();
       dealers_[s].set(zmq::sockopt::linger, 0);
       dealers_[s].close();
       dealers_[s] = make_dealer(s);
     };
+    std::vector<::pollfd> fds(n + 1);
     for (;;) {
       {
         std::lock_guard lock(mu_);
-        while (!queue_.empty()) {
-          Outgoing o = std::move(queue_.front());
-          queue_.pop_front();
-          if (o.call) {
-            o.call->server = o.server;
-            // The silence that counts against a server starts when a call
-            // starts waiting on it.
-            if (!waits_on(pending, o.server)) last_heard_[o.server] = std::max(last_heard_[o.server], clock::now());
-            pending.emplace(o.id, o.call);
-          }
-          o.call.reset();
-          outbox[o.server].push_back(std::move(o));
-        }
-        closing = closing_;
+        if (closing_) break;
       }
-      if (closing) break;
       try {
         // Send what the sockets take; a full pipe keeps the rest (backpressure).
-        for (std::size_t s = 0; s < n; ++s) send_some(s, outbox[s]);
+        for (std::size_t s = 0; s < n; ++s) {
+          std::lock_guard lock(lanes_[s].mu);
+          send_some(s);
+        }
         const auto now = clock::now();
         std::erase_if(pending, [&](auto& p) {
           if (p.second->deadline > now) return false;
@@ -1015,12 +1046,13 @@ class Zmq::link_type {
             hb.op = Op::heartbeat;
             hb.worker = static_cast<std::uint32_t>(*worker_index_);
             std::vector<::psx::detail::wire::Segment> none;
-            Outgoing o;
-            o.server = s;
-            o.frames.push_back(detail_zmq::message_of(
+            Frames f;
+            f.push_back(detail_zmq::message_of(
                 ::psx::detail::wire::encode_request(hb, {0, fingerprint_, settings_.chunk_bytes}, none)));
-            outbox[s].push_back(std::move(o));
-            send_some(s, outbox[s]);
+            std::lock_guard lock(lanes_[s].mu);
+            take_sent(s);
+            lanes_[s].outbox.push_back(std::move(f));
+            send_some(s);
           }
           for (std::size_t s = 0; s < n; ++s)
             if (now - last_heard_[s] > timeout && waits_on(pending, s))
@@ -1030,32 +1062,15 @@ class Zmq::link_type {
                                   std::chrono::duration_cast<std::chrono::milliseconds>(now - last_heard_[s]).count()) +
                               " ms while requests waited (peer_timeout " + std::to_string(timeout.count()) + " ms)");
         }
-        std::vector<zmq::pollitem_t> items;
-        items.push_back({nullptr, waker_.fd(), ZMQ_POLLIN, 0});
-        for (std::size_t s = 0; s < n; ++s)
-          items.push_back(
-              {dealers_[s].handle(), 0, static_cast<short>(ZMQ_POLLIN | (outbox[s].empty() ? 0 : ZMQ_POLLOUT)), 0});
-        // While an answer is due, look for it without sleeping for a moment:
-        // one that comes then is taken without a thread wake-up.
-        // Only calls whose bytes take less than a wake-up to move: a large
-        // transfer would lose the core the spinning takes.
-        int ready = 0;
-        const bool latency_bound = !pending.empty() && std::all_of(pending.begin(), pending.end(), [](const auto& p) {
-          return p.second->bytes <= busy_poll_max_bytes;
-        });
-        if (latency_bound && settings_.busy_poll.count() > 0) {
-          const auto until = clock::now() + settings_.busy_poll;
-          do {
-            ready = detail_zmq::poll(items.data(), items.size(), std::chrono::milliseconds(0));
-          } while (ready == 0 && clock::now() < until);
-        }
-        if (ready == 0)
-          detail_zmq::poll(
-              items.data(), items.size(),
-              std::chrono::milliseconds(detail_zmq::ms_until(std::min(next_beat, now + std::chrono::seconds(1)), now)));
-        if (items[0].revents & ZMQ_POLLIN) waker_.drain();
+        // Take the answers there are, and see whether a socket has more to
+        // do; a socket's ZMQ_FD tells only of changes since it was last
+        // looked at, so each is looked at (ZMQ_EVENTS) before sleeping.
+        bool again = false;
+        fds[0] = {waker_.fd(), POLLIN, 0};
         for (std::size_t s = 0; s < n; ++s) {
-          if (!(items[s + 1].revents & ZMQ_POLLIN)) continue;
+          Lane& lane = lanes_[s];
+          std::lock_guard lock(lane.mu);
+          take_sent(s);
           for (int k = 0; k < 256; ++k) {
             std::vector<zmq::message_t> msg;
             if (!zmq::recv_multipart(dealers_[s], std::back_inserter(msg), zmq::recv_flags::dontwait)) break;
@@ -1074,7 +1089,29 @@ class Zmq::link_type {
                 }
             }
           }
+          const int events = dealers_[s].get(zmq::sockopt::events);
+          if ((events & ZMQ_POLLIN) || (!lane.outbox.empty() && (events & ZMQ_POLLOUT))) again = true;
+          fds[s + 1] = {dealers_[s].get(zmq::sockopt::fd), POLLIN, 0};
         }
+        if (again) continue;
+        // While an answer is due, look for it without sleeping for a moment:
+        // one that comes then is taken without a thread wake-up.
+        // Only calls whose bytes take less than a wake-up to move: a large
+        // transfer would lose the core the spinning takes.
+        int ready = 0;
+        const bool latency_bound = !pending.empty() && std::all_of(pending.begin(), pending.end(), [](const auto& p) {
+          return p.second->bytes <= busy_poll_max_bytes;
+        });
+        if (latency_bound && settings_.busy_poll.count() > 0) {
+          const auto until = clock::now() + settings_.busy_poll;
+          do {
+            ready = ::poll(fds.data(), fds.size(), 0);
+          } while (ready == 0 && clock::now() < until);
+        }
+        if (ready == 0)
+          ::poll(fds.data(), fds.size(),
+                 detail_zmq::ms_until(std::min(next_beat, now + std::chrono::seconds(1)), clock::now()));
+        if (fds[0].revents & POLLIN) waker_.drain();
       } catch (...) {
         // Out of memory, or libzmq failing: every waiting call fails with
         // the reason rather than the thread ending and the calls hanging.
@@ -1085,41 +1122,56 @@ class Zmq::link_type {
           what = e.what();
         } catch (...) {
         }
+        for (std::size_t s = 0; s < n; ++s) {
+          std::lock_guard lock(lanes_[s].mu);
+          take_sent(s);
+        }
         for (auto& [id, call] : pending)
           call->error = std::make_exception_ptr(error("psx: " + worker_name() + ": the I/O thread failed: " + what));
         pending.clear();
         std::this_thread::sleep_for(std::chrono::milliseconds(10));
       }
     }
-    // Closing: the chief tells the servers the cluster is done; whatever
-    // waits fails; the sockets get their linger to deliver the last frames.
-    if (worker_index_ == 0u)
-      for (std::size_t s = 0; s < n; ++s) {
-        Outgoing o;
-        o.server = s;
-        o.frames.push_back(
+    // Closing (callers see closing_ under their lane and send no more): the
+    // chief tells the servers the cluster is done; whatever waits fails; the
+    // sockets get their linger to deliver the last frames.
+    for (std::size_t s = 0; s < n; ++s) {
+      std::lock_guard lock(lanes_[s].mu);
+      take_sent(s);
+      if (worker_index_ == 0u) {
+        Frames f;
+        f.push_back(
             detail_zmq::message_of(::psx::detail::wire::encode_signal(::psx::detail::wire::Kind::stop, fingerprint_)));
-        outbox[s].push_back(std::move(o));
+        lanes_[s].outbox.push_back(std::move(f));
       }
-    for (std::size_t s = 0; s < n; ++s) send_some(s, outbox[s]);
+      send_some(s);
+    }
     const std::string why = "psx: " + worker_name() + ": shut down before the answer came";
     for (auto& [id, call] : pending) call->error = std::make_exception_ptr(shutdown_error(why));
     pending.clear();
-    outbox.clear();
-    for (auto& d : dealers_) d.close();
+    for (std::size_t s = 0; s < n; ++s) {
+      std::lock_guard lock(lanes_[s].mu);
+      lanes_[s].outbox.clear();
+      dealers_[s].close();
+    }
   }
 
-  void send_some(std::size_t s, std::deque<Outgoing>& box) {
-    while (!box.empty()) {
-      auto& frames = box.front().frames;
-      detail_zmq::handing_over();
-      if (!dealers_[s].send(frames[0], frames.size() > 1 ? zmq::send_flags::dontwait | zmq::send_flags::sndmore
-                                                         : zmq::send_flags::dontwait))
-        return;
-      for (std::size_t k = 1; k < frames.size(); ++k)
-        dealers_[s].send(frames[k], k + 1 < frames.size() ? zmq::send_flags::sndmore : zmq::send_flags::none);
-      box.pop_front();
-    }
+  // Sends one message's frames unless the socket would block; the first
+  // frame decides, the rest follow it.
+  static bool send_frames(zmq::socket_t& sock, Frames& frames) {
+    detail_zmq::handing_over();
+    if (!sock.send(frames[0], frames.size() > 1 ? zmq::send_flags::dontwait | zmq::send_flags::sndmore
+                                                : zmq::send_flags::dontwait))
+      return false;
+    for (std::size_t k = 1; k < frames.size(); ++k)
+      sock.send(frames[k], k + 1 < frames.size() ? zmq::send_flags::sndmore : zmq::send_flags::none);
+    return true;
+  }
+
+  // Lane `s` held: sends what waits, as long as the socket takes it.
+  void send_some(std::size_t s) {
+    auto& box = lanes_[s].outbox;
+    while (!box.empty() && send_frames(dealers_[s], box.front())) box.pop_front();
   }
 
   // Handles one message from server `s`; returns why every call waiting on
@@ -1230,7 +1282,8 @@ class Zmq::link_type {
   std::string bound_;
   // worker side
   std::vector<std::string> endpoints_;
-  std::vector<zmq::socket_t> dealers_;
+  std::vector<zmq::socket_t> dealers_;  // dealers_[s] only under lanes_[s].mu once the I/O thread runs
+  std::unique_ptr<Lane[]> lanes_;
   std::vector<clock::time_point> last_heard_;
   std::vector<std::uint64_t> incarnations_;  // each server's, from its welcome
   std::thread io_;
@@ -1239,7 +1292,6 @@ class Zmq::link_type {
   detail_zmq::Waker waker_;
   std::mutex mu_;
   std::condition_variable stopped_cv_;
-  std::deque<Outgoing> queue_;
   bool closing_ = false;
   bool served_ = false;
   std::string stop_reason_;
