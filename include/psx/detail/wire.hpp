@@ -298,28 +298,38 @@ struct Incoming {
   std::vector<std::unique_ptr<std::uint64_t[]>> owned;
 };
 
-// A tensor of `bytes` bytes starting at frame `next`: a span over the frame
-// when it is one frame aligned for T, else a joined, aligned copy.
+// Item `item`'s tensor of `count` elements starting at frame `next`: a span
+// over the frame when it is one frame aligned for T, else a joined, aligned
+// copy. Only this tensor's frames are looked at, and a message is built only
+// for a refusal, so decoding stays linear in the items (a request may carry
+// 2^20 of them).
 template <class T>
 std::span<const T> take_tensor(std::span<const std::span<const std::byte>> frames, std::size_t& next,
-                               std::uint64_t count, std::uint32_t chunk, Incoming& in, std::string_view where) {
+                               std::uint64_t count, std::uint32_t chunk, Incoming& in, std::string_view where,
+                               std::uint32_t item) {
   if (count == 0) return {};
-  const std::uint64_t bytes = checked_mul(count, sizeof(T), where);
-  // The bytes must be there before any size derived from them is trusted.
-  std::uint64_t left = 0;
-  for (std::size_t k = next; k < frames.size(); ++k) left += frames[k].size();
-  if (bytes > left)
-    throw wire_error("psx: " + std::string(where) + ": a " + std::to_string(bytes) + "-byte tensor, but only " +
-                     std::to_string(left) + " bytes follow");
+  auto at = [&] { return std::string(where) + ", item " + std::to_string(item); };
+  std::uint64_t bytes = 0;
+  if (__builtin_mul_overflow(count, sizeof(T), &bytes)) (void)checked_mul(count, sizeof(T), at());
   const std::uint64_t n = chunks(bytes, chunk);
-  if (n > frames.size() - next)
-    throw wire_error("psx: " + std::string(where) + ": a " + std::to_string(bytes) + "-byte tensor needs " +
-                     std::to_string(n) + " frames, only " + std::to_string(frames.size() - next) + " left");
-  for (std::uint64_t k = 0; k < n; ++k) {
-    const std::uint64_t want = std::min<std::uint64_t>(chunk, bytes - k * chunk);
-    if (frames[next + k].size() != want)
-      throw wire_error("psx: " + std::string(where) + ": frame " + std::to_string(next + k) + " has " +
-                       std::to_string(frames[next + k].size()) + " bytes, expected " + std::to_string(want));
+  const std::size_t have = frames.size() - next;
+  auto want = [&](std::uint64_t k) { return std::min<std::uint64_t>(chunk, bytes - k * chunk); };
+  bool fits = n <= have;
+  for (std::uint64_t k = 0; fits && k < n; ++k) fits = frames[next + k].size() == want(k);
+  if (!fits) {
+    // The bytes must be there before any size derived from them is trusted.
+    std::uint64_t left = 0;
+    for (std::size_t k = next; k < frames.size(); ++k) left += frames[k].size();
+    if (bytes > left)
+      throw wire_error("psx: " + at() + ": a " + std::to_string(bytes) + "-byte tensor, but only " +
+                       std::to_string(left) + " bytes follow");
+    if (n > have)
+      throw wire_error("psx: " + at() + ": a " + std::to_string(bytes) + "-byte tensor needs " + std::to_string(n) +
+                       " frames, only " + std::to_string(have) + " left");
+    for (std::uint64_t k = 0; k < n; ++k)
+      if (frames[next + k].size() != want(k))
+        throw wire_error("psx: " + at() + ": frame " + std::to_string(next + k) + " has " +
+                         std::to_string(frames[next + k].size()) + " bytes, expected " + std::to_string(want(k)));
   }
   const std::byte* first = frames[next].data();
   if (n == 1 && reinterpret_cast<std::uintptr_t>(first) % alignof(T) == 0) {
@@ -407,9 +417,8 @@ inline Incoming decode_request(std::span<const std::span<const std::byte>> frame
     if (o.count > limits.max_message_bytes / 4)
       throw wire_error("psx: " + std::string(where) + ": item " + std::to_string(i) + " asks for " +
                        std::to_string(o.count) + " elements back, over the message limit");
-    const std::string item_where = std::string(where) + ", item " + std::to_string(i);
-    item.ids = take_tensor<std::uint64_t>(frames, next, ids, in.head.chunk, in, item_where);
-    item.in = take_tensor<float>(frames, next, ins, in.head.chunk, in, item_where);
+    item.ids = take_tensor<std::uint64_t>(frames, next, ids, in.head.chunk, in, where, i);
+    item.in = take_tensor<float>(frames, next, ins, in.head.chunk, in, where, i);
   }
   if (next != frames.size())
     throw wire_error("psx: " + std::string(where) + ": " + std::to_string(frames.size() - next) +
