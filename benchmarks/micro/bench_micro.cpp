@@ -40,14 +40,15 @@
 // 3. Summing the rows of repeated ids (`dedup/...`). The worker does not
 //    deduplicate: it sends ids as the caller gave them, and the server sums
 //    repeated ids before the optimizer sees them, with
-//    `detail::RowAccumulator` (psx/storage.hpp; `Server::scratch_rows` builds
-//    a fresh one per push_rows request). Measured on 100k Zipf ids (s=1.1
-//    over 1M rows) for row widths 16 and 64:
-//      BM_dedup_row_accumulator         as the server does it: a fresh
-//                                       accumulator, `add` per id;
-//      BM_dedup_row_accumulator_reused  the same accumulator `clear()`ed
-//                                       between iterations (no allocation
-//                                       of the table in steady state);
+//    `detail::RowAccumulator` (psx/storage.hpp, open addressing;
+//    `Server::scratch_rows` reuses one, `reset` per push_rows request).
+//    Measured on 100k Zipf ids (s=1.1 over 1M rows) for row widths 16 and 64:
+//      BM_dedup_row_accumulator         a fresh accumulator per request (as
+//                                       a sync policy's per-worker sums are),
+//                                       `add` per id;
+//      BM_dedup_row_accumulator_reused  as `Server::scratch_rows`: one
+//                                       accumulator `reset` between requests
+//                                       (no allocation in steady state);
 //      BM_ref_sort_unique_ids           reference: std::sort + std::unique
 //                                       of a copy of the ids (rows not summed);
 //      BM_floor_memcpy_grad             floor: one memcpy of the gradient
@@ -370,7 +371,7 @@ void dedup_counters(benchmark::State& state, std::size_t width, std::size_t dist
   if (distinct != 0) state.counters["distinct"] = static_cast<double>(distinct);
 }
 
-// As `Server::scratch_rows`: a fresh accumulator per request, one `add` per id.
+// A fresh accumulator per request, one `add` per id.
 void dedup_row_accumulator(benchmark::State& state, std::size_t width) {
   const auto& ids = shared_ids();
   const std::vector<float> grads = ramp(ids.size() * width);
@@ -390,7 +391,7 @@ void dedup_row_accumulator_reused(benchmark::State& state, std::size_t width) {
   const std::vector<float> grads = ramp(ids.size() * width);
   psx::detail::RowAccumulator acc(width);
   for (auto _ : state) {
-    acc.clear();
+    acc.reset(width);
     for (std::size_t j = 0; j < ids.size(); ++j) acc.add(ids[j], grads.data() + j * width);
     benchmark::DoNotOptimize(acc.data().data());
     benchmark::ClobberMemory();

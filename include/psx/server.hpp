@@ -631,7 +631,7 @@ class Server final : public RequestHandler {
   }
 
   void scratch_rows(const ShardState& s, const Item& item) {
-    scratch_ = detail::RowAccumulator(s.width());
+    scratch_.reset(s.width());
     const std::size_t width = s.width();
     for (std::size_t j = 0; j < item.ids.size(); ++j) {
       const std::size_t pos = item.positions.empty() ? j : item.positions[j];

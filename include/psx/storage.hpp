@@ -16,18 +16,21 @@
 #pragma once
 
 #include <psx/concepts.hpp>
+#include <psx/detail/hash.hpp>
 #include <psx/detail/persist.hpp>
 #include <psx/detail/span.hpp>
 #include <psx/half.hpp>
 #include <psx/variable.hpp>
 
 #include <algorithm>
+#include <bit>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <span>
+#include <stdexcept>
 #include <type_traits>
-#include <unordered_map>
 #include <vector>
 
 namespace psx {
@@ -36,26 +39,52 @@ inline namespace v0 {
 namespace detail {
 
 // Gradient rows of one shard by distinct (shard-local) row id, summed in
-// order of arrival; rows in order of first appearance.
+// order of arrival; rows in order of first appearance. The index is open
+// addressing with linear probing (slot = row's position + 1, 0 = empty),
+// kept at most half full; `reset` keeps the memory, so a server that reuses
+// one accumulator allocates nothing per request in steady state.
 class RowAccumulator {
  public:
   explicit RowAccumulator(std::size_t width = 0) : width_(width) {}
 
   void add(std::uint64_t row, const float* g) {
-    auto [it, inserted] = index_.try_emplace(row, rows_.size());
-    if (inserted) {
-      rows_.push_back(row);
-      data_.insert(data_.end(), g, g + width_);
-    } else {
-      float* dst = data_.data() + it->second * width_;
-      for (std::size_t i = 0; i < width_; ++i) dst[i] += g[i];
+    if (2 * (rows_.size() + 1) > slots_.size()) grow();
+    const std::size_t mask = slots_.size() - 1;
+    for (std::size_t h = mix64(row) & mask;; h = (h + 1) & mask) {
+      const std::uint32_t slot = slots_[h];
+      if (slot == 0) {
+        slots_[h] = static_cast<std::uint32_t>(rows_.size() + 1);
+        rows_.push_back(row);
+        data_.insert(data_.end(), g, g + width_);
+        return;
+      }
+      if (rows_[slot - 1] == row) {
+        float* dst = data_.data() + std::size_t{slot - 1} * width_;
+        for (std::size_t i = 0; i < width_; ++i) dst[i] += g[i];
+        return;
+      }
     }
   }
 
+  //! Empties it for rows of `width` floats, keeping its memory.
+  void reset(std::size_t width) noexcept {
+    clear();
+    width_ = width;
+  }
+
   void clear() noexcept {
+    // Only the slots in use are emptied: a table once grown large costs a
+    // small request nothing.
+    if (!slots_.empty()) {
+      const std::size_t mask = slots_.size() - 1;
+      for (const std::uint64_t row : rows_) {
+        std::size_t h = mix64(row) & mask;
+        while (slots_[h] == 0 || rows_[slots_[h] - 1] != row) h = (h + 1) & mask;
+        slots_[h] = 0;
+      }
+    }
     rows_.clear();
     data_.clear();
-    index_.clear();
   }
 
   bool empty() const noexcept { return rows_.empty(); }
@@ -66,10 +95,23 @@ class RowAccumulator {
   const float* row_data(std::size_t k) const noexcept { return data_.data() + k * width_; }
 
  private:
+  void grow() {
+    if (rows_.size() >= std::numeric_limits<std::uint32_t>::max() - 1)
+      throw std::length_error("psx: more than 2^32 - 2 distinct rows in one sum");
+    const std::size_t capacity = std::max<std::size_t>(64, std::bit_ceil(4 * (rows_.size() + 1)));
+    slots_.assign(capacity, 0);
+    const std::size_t mask = capacity - 1;
+    for (std::size_t k = 0; k < rows_.size(); ++k) {
+      std::size_t h = mix64(rows_[k]) & mask;
+      while (slots_[h] != 0) h = (h + 1) & mask;
+      slots_[h] = static_cast<std::uint32_t>(k + 1);
+    }
+  }
+
   std::size_t width_;
   std::vector<std::uint64_t> rows_;
   std::vector<float> data_;
-  std::unordered_map<std::uint64_t, std::size_t> index_;
+  std::vector<std::uint32_t> slots_;
 };
 
 }  // namespace detail

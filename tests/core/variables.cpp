@@ -5,6 +5,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <map>
+#include <random>
 #include <numeric>
 #include <set>
 #include <sstream>
@@ -186,4 +188,44 @@ TEST_CASE("policy values print what they are") {
   CHECK(str(psx::optim::SGD{0.25f}) == "SGD{lr=0.25}");
   CHECK(str(psx::transport::InProcess{}) == "InProcess");
   CHECK(str(psx::ClusterConfig{2, 4}) == "ClusterConfig{servers=2, workers=4, peer_timeout=0ms}");
+}
+
+TEST_CASE("RowAccumulator: sums repeated rows in order of first appearance, reused across widths and sizes") {
+  // The server's sum of a push_rows request's repeated ids (open addressing):
+  // checked against std::map over rounds that grow the table, shrink the
+  // request again (only the used slots are emptied) and change the width.
+  psx::detail::RowAccumulator acc;
+  std::mt19937_64 rng(7);
+  for (int round = 0; round < 12; ++round) {
+    const std::size_t width = 1 + round % 5;
+    const std::size_t n = round % 3 == 0 ? 20000 : 1 + rng() % 300;
+    const std::uint64_t range = round % 2 ? 50 : std::uint64_t{1} << 62;
+    acc.reset(width);
+    std::map<std::uint64_t, std::vector<float>> want;
+    std::vector<std::uint64_t> order;
+    for (std::size_t j = 0; j < n; ++j) {
+      // Ids near 0 and near the top of the range, and many repeats.
+      const std::uint64_t row = rng() % 4 == 0 ? rng() % 8 : rng() % range;
+      std::vector<float> g(width);
+      for (auto& x : g) x = static_cast<float>(rng() % 100) - 50.0f;
+      acc.add(row, g.data());
+      auto [it, fresh] = want.try_emplace(row, width, 0.0f);
+      if (fresh) order.push_back(row);
+      for (std::size_t i = 0; i < width; ++i) it->second[i] += g[i];
+    }
+    INFO("round " << round);
+    REQUIRE(acc.rows() == order);
+    REQUIRE(acc.data().size() == order.size() * width);
+    for (std::size_t k = 0; k < order.size(); ++k)
+      CHECK(std::equal(acc.row_data(k), acc.row_data(k) + width, want[order[k]].begin()));
+  }
+  acc.clear();
+  CHECK(acc.empty());
+  const float one = 1.0f;
+  acc.reset(1);
+  acc.add(UINT64_MAX, &one);
+  acc.add(0, &one);
+  acc.add(UINT64_MAX, &one);
+  CHECK(acc.rows() == std::vector<std::uint64_t>{UINT64_MAX, 0});
+  CHECK(acc.data() == std::vector<float>{2.0f, 1.0f});
 }
