@@ -15,6 +15,11 @@ if ! /usr/bin/python3 -c 'import safetensors' 2>/dev/null; then
   /usr/bin/python3 -m pip install --quiet --break-system-packages safetensors >/dev/null 2>&1 ||
     echo "test.sh: the safetensors package could not be installed; its check will be skipped"
 fi
+# The summary test reads event files with the tensorboard package, likewise.
+if ! /usr/bin/python3 -c 'import tensorboard' 2>/dev/null; then
+  /usr/bin/python3 -m pip install --quiet --break-system-packages tensorboard >/dev/null 2>&1 ||
+    echo "test.sh: the tensorboard package could not be installed; its check will be skipped"
+fi
 for preset in "${presets[@]}"; do
   echo "=== psx: ${preset} ==="
   cmake --preset "$preset" >/dev/null

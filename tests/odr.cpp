@@ -3,6 +3,7 @@
 // definition in a header then fails the link with a duplicate symbol.
 #include <psx/eigen.hpp>
 #include <psx/psx.hpp>
+#include <psx/summary.hpp>
 #include <psx/xtensor.hpp>
 #if __has_include(<zmq.hpp>)
 #include <psx/transport/zmq.hpp>

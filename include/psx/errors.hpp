@@ -75,6 +75,15 @@ class checkpoint_error : public error {
   using error::error;
 };
 
+//! A TensorBoard event file that cannot be created or written, a summary
+//! writer used after `close()`, or an event record that is truncated,
+//! corrupted or malformed (psx/summary.hpp; the message names the file and
+//! the record's byte offset).
+class summary_error : public error {
+ public:
+  using error::error;
+};
+
 //! A peer (worker or server) that died or stopped answering.
 class peer_lost : public error {
  public:
