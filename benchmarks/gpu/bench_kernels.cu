@@ -9,6 +9,8 @@
 // same machine.
 //
 // Usage: psx_bench_gpu [--quick]   (--quick: small sizes, to check it runs)
+#include "../zipf.hpp"
+
 #include <psx/cuda/kernels.cuh>
 #include <psx/optim.hpp>
 
@@ -196,20 +198,7 @@ void bench_conversions(std::size_t n) {
          5.0 * static_cast<double>(rows * width));
 }
 
-// Zipf(s) ranks 1..n by inversion of the CDF, scattered over [0, n) by a bijection.
-std::vector<std::uint64_t> zipf_ids(std::size_t count, std::size_t n, double s, std::uint64_t seed) {
-  std::vector<double> cdf(n);
-  double total = 0.0;
-  for (std::size_t k = 0; k < n; ++k) cdf[k] = total += std::pow(static_cast<double>(k + 1), -s);
-  std::mt19937_64 rng(seed);
-  std::uniform_real_distribution<double> u(0.0, total);
-  std::vector<std::uint64_t> ids(count);
-  for (auto& id : ids) {
-    const std::size_t rank = static_cast<std::size_t>(std::upper_bound(cdf.begin(), cdf.end(), u(rng)) - cdf.begin());
-    id = (static_cast<std::uint64_t>(std::min(rank, n - 1)) * 2654435761ull) % n;  // gcd(2654435761, 10^7) = 1
-  }
-  return ids;
-}
+using psx_bench::zipf_ids;
 
 void bench_sparse(std::size_t table_rows, std::size_t width, std::size_t count) {
   std::printf("\nsparse push: %zu Zipf(1.1) ids into a %zu x %zu table, Adam rows\n", count, table_rows, width);

@@ -56,6 +56,8 @@
 //    Bytes/s count the gradient bytes.
 //
 //   ./bench_micro [--benchmark_filter=REGEX] [other Google Benchmark flags]
+#include "../zipf.hpp"
+
 #include <psx/detail/wire.hpp>
 #include <psx/partition.hpp>
 #include <psx/storage.hpp>
@@ -81,22 +83,7 @@ namespace wire = psx::detail::wire;
 constexpr std::size_t table_rows = 1'000'000;
 constexpr std::size_t num_ids = 100'000;
 
-// `n` ids drawn from a Zipf law of exponent `s` over `rows` ranks; rank r is
-// row (r * 999983) % rows (999983 is prime, so this permutes the rows), so
-// that the hot rows are spread over the table as in a real embedding.
-std::vector<std::uint64_t> zipf_ids(std::size_t n, std::size_t rows, double s, std::uint64_t seed) {
-  std::vector<double> cdf(rows);
-  double total = 0.0;
-  for (std::size_t k = 0; k < rows; ++k) cdf[k] = total += std::pow(static_cast<double>(k + 1), -s);
-  std::mt19937_64 gen(seed);
-  std::uniform_real_distribution<double> u(0.0, total);
-  std::vector<std::uint64_t> ids(n);
-  for (auto& id : ids) {
-    const auto rank = static_cast<std::uint64_t>(std::upper_bound(cdf.begin(), cdf.end(), u(gen)) - cdf.begin());
-    id = (std::min<std::uint64_t>(rank, rows - 1) * 999983u) % rows;
-  }
-  return ids;
-}
+using psx_bench::zipf_ids;
 
 const std::vector<std::uint64_t>& shared_ids() {
   static const std::vector<std::uint64_t> ids = zipf_ids(num_ids, table_rows, 1.1, 42);

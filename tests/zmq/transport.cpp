@@ -549,8 +549,11 @@ TEST_CASE("wire: a failure reason longer than a receiver takes is cut, not refus
   CHECK(wire::decode_request(frames, {}, "test").request.reason == std::string(wire::Limits{}.max_text_bytes, 'x'));
 }
 
-TEST_CASE("zmq: many requests in flight from one worker, answered into the right buffers") {
-  psx_test::Watchdog dog("zmq in flight");
+// One server (declare_fuzz) on a thread and a chief here, over tcp: `body`
+// gets the chief and what it read of each variable before anything ran.
+template <class Body>
+void with_one_server(const char* name, Body&& body) {
+  psx_test::Watchdog dog(name);
   TempDir dir;
   const ClusterSpec c = spec(1, 1, false, dir.path);
   ServerThread server(c, dir.path, 1, [](auto& ps) { declare_fuzz(ps); });
@@ -558,8 +561,15 @@ TEST_CASE("zmq: many requests in flight from one worker, answered into the right
     ZmqCluster<psx::partition::HashByName, psx::sync::Synchronous, psx::optim::SGD> chief(
         {1, 1, std::chrono::milliseconds(2000)}, {}, {}, {}, settings(c, "chief", 0, dir.path));
     declare_fuzz(chief);
-    const auto w0 = chief.read("w");
-    const auto e0 = chief.read("emb");
+    body(chief, chief.read("w"), chief.read("emb"), chief.read("frozen"));
+    chief.worker(0).leave();
+  }
+  server.thread.join();
+  REQUIRE_FALSE(server.error);
+}
+
+TEST_CASE("zmq: many requests in flight from one worker, answered into the right buffers") {
+  with_one_server("zmq in flight", [](auto& chief, const auto& w0, const auto& e0, const auto&) {
     psx::Worker w = chief.worker(0);
     // 16 pulls of different rows, all sent before any is waited for.
     std::vector<std::vector<std::uint64_t>> ids(16);
@@ -577,27 +587,14 @@ TEST_CASE("zmq: many requests in flight from one worker, answered into the right
       for (std::size_t j = 0; j < 3; ++j)
         for (std::size_t d = 0; d < 8; ++d) CHECK(rows[k][j * 8 + d] == e0[ids[k][j] * 8 + d]);
     }
-    w.leave();
-  }
-  server.thread.join();
-  REQUIRE_FALSE(server.error);
+  });
 }
 
 TEST_CASE("zmq: callers on several threads send on the worker's sockets at once, each answer lands in its buffer") {
   // Callers send on the server's socket themselves (no hand-off to the I/O
   // thread) while the I/O thread receives on it: 4 threads, each with its
   // own handle on the worker, keep pulls in flight at the same time.
-  psx_test::Watchdog dog("zmq callers on threads");
-  TempDir dir;
-  const ClusterSpec c = spec(1, 1, false, dir.path);
-  ServerThread server(c, dir.path, 1, [](auto& ps) { declare_fuzz(ps); });
-  {
-    ZmqCluster<psx::partition::HashByName, psx::sync::Synchronous, psx::optim::SGD> chief(
-        {1, 1, std::chrono::milliseconds(2000)}, {}, {}, {}, settings(c, "chief", 0, dir.path));
-    declare_fuzz(chief);
-    const auto w0 = chief.read("w");
-    const auto e0 = chief.read("emb");
-    const auto f0 = chief.read("frozen");
+  with_one_server("zmq callers on threads", [](auto& chief, const auto& w0, const auto& e0, const auto& f0) {
     std::atomic<int> wrong{0};
     std::vector<std::thread> callers;
     for (std::size_t t = 0; t < 4; ++t)
@@ -622,8 +619,5 @@ TEST_CASE("zmq: callers on several threads send on the worker's sockets at once,
       });
     for (auto& t : callers) t.join();
     CHECK(wrong.load() == 0);
-    chief.worker(0).leave();
-  }
-  server.thread.join();
-  REQUIRE_FALSE(server.error);
+  });
 }
