@@ -17,6 +17,7 @@
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <exception>
 #include <functional>
 #include <memory>
@@ -44,6 +45,7 @@ enum class Op : std::uint8_t {
   read,       //!< like pull, but never waits for the sync policy (inspection)
   save,       //!< write this server's shards into the checkpoint directory `Request::reason` (psx/checkpoint.hpp)
   restore,    //!< load this server's shards from the checkpoint directory `Request::reason`
+  stats,      //!< the server's counters (ServerStats) into one item's `out` (detail::stats_floats floats)
 };
 
 //! One shard of one variable touched by a request.
@@ -132,6 +134,79 @@ class Completion {
   std::exception_ptr error_;
   Callback on_done_;
 };
+
+//! Number of staleness histogram buckets.
+inline constexpr std::size_t staleness_buckets = 64;
+
+//! Counters a server keeps; read from any thread (relaxed atomics: each value
+//! is exact once the server is idle, and a snapshot while it works). In
+//! this process: `ParameterServer::server_stats(i)`; from any worker, over
+//! any transport: `Worker::server_stats()`.
+struct ServerStats {
+  std::uint64_t requests = 0;   //!< requests handled (a kept request counts when it arrives)
+  std::uint64_t pulls = 0;      //!< pull, pull_rows and read requests answered
+  std::uint64_t pushes = 0;     //!< push and push_rows requests taken
+  std::uint64_t bytes_in = 0;   //!< gradient payload received
+  std::uint64_t bytes_out = 0;  //!< parameter payload answered
+  std::uint64_t errors = 0;     //!< requests answered with an error
+  std::uint64_t dropped = 0;    //!< gradients the sync policy dropped (late for their step)
+  std::uint64_t steps = 0;      //!< steps completed (with gradients or none), summed over this server's shards
+  //! `staleness[k]`: applied gradients whose staleness was k (the shard's
+  //! version when applied minus the version the worker had pulled); the last
+  //! bucket counts every staleness of `size() - 1` or more.
+  std::vector<std::uint64_t> staleness;
+  std::uint64_t parameter_bytes = 0;  //!< parameters held: float32 masters plus 16-bit copies
+  std::uint64_t slot_bytes = 0;       //!< optimizer state held beside them
+  //! Messages refused before they became requests (malformed, another wire
+  //! version or cluster, not authenticated): transports between processes.
+  std::uint64_t rejected = 0;
+  //! Answers that could not be delivered because their worker was gone.
+  std::uint64_t undelivered = 0;
+
+  //! Adds `o`'s counters (summing servers).
+  ServerStats& operator+=(const ServerStats& o) {
+    for (std::size_t k = 0; k < counters; ++k) this->*fields[k] += o.*fields[k];
+    if (staleness.size() < o.staleness.size()) staleness.resize(o.staleness.size(), 0);
+    for (std::size_t k = 0; k < o.staleness.size(); ++k) staleness[k] += o.staleness[k];
+    return *this;
+  }
+  friend bool operator==(const ServerStats&, const ServerStats&) = default;
+
+  //! The scalar counters, in their wire order (Op::stats answers).
+  static constexpr std::size_t counters = 12;
+  static constexpr std::uint64_t ServerStats::*fields[counters] = {
+      &ServerStats::requests, &ServerStats::pulls,           &ServerStats::pushes,     &ServerStats::bytes_in,
+      &ServerStats::bytes_out, &ServerStats::errors,          &ServerStats::dropped,    &ServerStats::steps,
+      &ServerStats::parameter_bytes, &ServerStats::slot_bytes, &ServerStats::rejected, &ServerStats::undelivered};
+};
+
+namespace detail {
+
+// An Op::stats answer: the counters then the staleness buckets, each
+// 64-bit value as the bits of two floats (the transports move floats).
+inline constexpr std::size_t stats_floats = 2 * (ServerStats::counters + staleness_buckets);
+
+inline void put_stats(const ServerStats& st, std::span<float> out) noexcept {
+  auto put = [&](std::size_t k, std::uint64_t v) { std::memcpy(out.data() + 2 * k, &v, sizeof v); };
+  for (std::size_t k = 0; k < ServerStats::counters; ++k) put(k, st.*ServerStats::fields[k]);
+  for (std::size_t k = 0; k < staleness_buckets; ++k)
+    put(ServerStats::counters + k, k < st.staleness.size() ? st.staleness[k] : 0);
+}
+
+inline ServerStats get_stats(std::span<const float> in) noexcept {
+  auto get = [&](std::size_t k) {
+    std::uint64_t v;
+    std::memcpy(&v, in.data() + 2 * k, sizeof v);
+    return v;
+  };
+  ServerStats st;
+  for (std::size_t k = 0; k < ServerStats::counters; ++k) st.*ServerStats::fields[k] = get(k);
+  st.staleness.resize(staleness_buckets);
+  for (std::size_t k = 0; k < staleness_buckets; ++k) st.staleness[k] = get(ServerStats::counters + k);
+  return st;
+}
+
+}  // namespace detail
 
 //! One message from a worker to one server.
 struct Request {

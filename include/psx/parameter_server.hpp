@@ -277,21 +277,7 @@ class ParameterServer {
       for (const auto& server : servers_)
         if (server) each.push_back(server->stats());
     }
-    for (const ServerStats& one : each) {
-      total.requests += one.requests;
-      total.pulls += one.pulls;
-      total.pushes += one.pushes;
-      total.bytes_in += one.bytes_in;
-      total.bytes_out += one.bytes_out;
-      total.errors += one.errors;
-      total.dropped += one.dropped;
-      total.steps += one.steps;
-      total.parameter_bytes += one.parameter_bytes;
-      total.slot_bytes += one.slot_bytes;
-      total.rejected += one.rejected;
-      total.undelivered += one.undelivered;
-      for (std::size_t k = 0; k < one.staleness.size(); ++k) total.staleness[k] += one.staleness[k];
-    }
+    for (const ServerStats& one : each) total += one;
     return total;
   }
 

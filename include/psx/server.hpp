@@ -44,32 +44,6 @@ struct Contribution {
 
 }  // namespace detail
 
-//! Counters a server keeps; read from any thread (relaxed atomics: each value
-//! is exact once the server is idle, and a snapshot while it works).
-struct ServerStats {
-  std::uint64_t requests = 0;   //!< requests handled (a kept request counts when it arrives)
-  std::uint64_t pulls = 0;      //!< pull, pull_rows and read requests answered
-  std::uint64_t pushes = 0;     //!< push and push_rows requests taken
-  std::uint64_t bytes_in = 0;   //!< gradient payload received
-  std::uint64_t bytes_out = 0;  //!< parameter payload answered
-  std::uint64_t errors = 0;     //!< requests answered with an error
-  std::uint64_t dropped = 0;    //!< gradients the sync policy dropped (late for their step)
-  std::uint64_t steps = 0;      //!< steps completed (with gradients or none), summed over this server's shards
-  //! `staleness[k]`: applied gradients whose staleness was k (the shard's
-  //! version when applied minus the version the worker had pulled); the last
-  //! bucket counts every staleness of `size() - 1` or more.
-  std::vector<std::uint64_t> staleness;
-  std::uint64_t parameter_bytes = 0;  //!< parameters held: float32 masters plus 16-bit copies
-  std::uint64_t slot_bytes = 0;       //!< optimizer state held beside them
-  //! Messages refused before they became requests (malformed, another wire
-  //! version or cluster, not authenticated): transports between processes.
-  std::uint64_t rejected = 0;
-  //! Answers that could not be delivered because their worker was gone.
-  std::uint64_t undelivered = 0;
-};
-
-//! Number of staleness histogram buckets.
-inline constexpr std::size_t staleness_buckets = 64;
 
 //! A server of the cluster: holds the shards the partitioner gave it, in
 //! `Storage` (host memory by default, see psx/storage.hpp).
@@ -277,21 +251,23 @@ class Server final : public RequestHandler {
   }
 
   void dispatch(Request&& r) {
-    if (r.op != Op::read && r.worker >= clocks_.size())
+    // Inspection: answered whatever the sync policy and the worker's state.
+    const bool inspection = r.op == Op::read || r.op == Op::stats;
+    if (!inspection && r.worker >= clocks_.size())
       throw wire_error("psx: server " + std::to_string(index_) + ": request from worker " +
                        std::to_string(r.worker) + " of " + std::to_string(clocks_.size()));
     // Once the policy failed only inspection is served; a worker's leaving
     // or failing is still recorded (a server told to stop waits for that).
-    if (failed() && r.op != Op::read && r.op != Op::leave && r.op != Op::fail) throw peer_lost(failure_);
+    if (failed() && !inspection && r.op != Op::leave && r.op != Op::fail) throw peer_lost(failure_);
     if (failed() && r.op == Op::leave) {
       if (gone_[r.worker] == Gone::no) gone_[r.worker] = Gone::left;
       r.finish();
       return;
     }
-    if (r.op != Op::read && r.op != Op::join && gone_[r.worker] == Gone::lost)
+    if (!inspection && r.op != Op::join && gone_[r.worker] == Gone::lost)
       throw peer_lost("psx: server " + std::to_string(index_) + ": worker " + std::to_string(r.worker) +
                       " was declared lost earlier (" + lost_reason_[r.worker] + ") and is no longer served");
-    if (r.op != Op::read) last_seen_[r.worker] = clock_type::now();
+    if (!inspection) last_seen_[r.worker] = clock_type::now();
     switch (r.op) {
       case Op::pull:
       case Op::pull_rows:
@@ -330,6 +306,12 @@ class Server final : public RequestHandler {
         break;
       case Op::restore:
         restore(r);
+        break;
+      case Op::stats:
+        if (r.items.size() != 1 || r.items[0].out.size() != detail::stats_floats)
+          throw wire_error("psx: " + where(r) + ": a stats request carries one answer of " +
+                           std::to_string(detail::stats_floats) + " floats");
+        detail::put_stats(stats(), r.items[0].out);
         break;
       default:
         throw wire_error("psx: " + where(r) + " has unknown operation " +

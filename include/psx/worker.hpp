@@ -332,13 +332,28 @@ class Worker {
   std::uint64_t agree_max(std::uint64_t value) {
     check_running("agree_max");
     std::vector<std::array<float, 2>> answers(num_servers());
-    call_every_server(Op::barrier, value, {}, answers);
+    call_every_server(Op::barrier, value, {}, [&](std::size_t s) { return std::span<float>(answers[s]); });
     std::uint64_t out = 0;
     for (const auto& a : answers) {
       std::uint64_t v;
       std::memcpy(&v, a.data(), sizeof v);
       out = std::max(out, v);
     }
+    return out;
+  }
+
+  //! Every server's counters, `[s]` for server s, asked over the transport:
+  //! how a chief sees servers that run in other processes (send them to
+  //! TensorBoard with psx/summary.hpp, say). A snapshot: servers count on
+  //! while it travels. Does not count as this worker's activity, and is
+  //! answered even after the sync policy failed.
+  std::vector<ServerStats> server_stats() {
+    check_running("server_stats");
+    std::vector<std::vector<float>> answers(num_servers(), std::vector<float>(detail::stats_floats));
+    call_every_server(Op::stats, clock(), {}, [&](std::size_t s) { return std::span<float>(answers[s]); });
+    std::vector<ServerStats> out;
+    out.reserve(answers.size());
+    for (const auto& a : answers) out.push_back(detail::get_stats(a));
     return out;
   }
 
@@ -351,10 +366,11 @@ class Worker {
  private:
   friend struct detail::WorkerAccess;
 
-  // Sends `op` to every server and waits for every answer; with `answers`,
-  // server s writes 2 floats (a barrier's agreed value) into answers[s].
+  // Sends `op` to every server and waits for every answer; with `answer`,
+  // server s writes its answer (a barrier's agreed value, its counters) into
+  // answer(s).
   void call_every_server(Op op, std::uint64_t clock_value, const std::string& text = {},
-                         std::span<std::array<float, 2>> answers = {}) {
+                         const std::function<std::span<float>(std::size_t)>& answer = {}) {
     auto done = std::make_shared<Completion>(num_servers());
     std::size_t s = 0;
     try {
@@ -364,7 +380,7 @@ class Worker {
         r.worker = static_cast<std::uint32_t>(index_);
         r.clock = clock_value;
         r.reason = text;
-        if (!answers.empty()) r.items.emplace_back().out = answers[s];
+        if (answer) r.items.emplace_back().out = answer(s);
         r.done = done;
         core_->send(s, std::move(r));
       }

@@ -340,6 +340,38 @@ TEST_CASE("variables bound for one server travel in one message") {
   CHECK_THROWS_AS(ps.server_stats(2), psx::config_error);
 }
 
+TEST_CASE("a worker collects every server's counters over the transport") {
+  psx::ParameterServer<psx::partition::RoundRobin, psx::sync::Asynchronous, psx::optim::SGD> ps({2, 1});
+  ps.declare(psx::dense("a", {4}));  // server 0
+  ps.declare(psx::dense("b", {6}));  // server 1
+  auto w = ps.worker(0);
+  std::vector<float> a(4), b(6, 1.0f);
+  w.pull({{"a", a}, {"b", b}});
+  w.push("b", b);
+  w.push("b", b);
+  const std::vector<psx::ServerStats> got = w.server_stats();
+  REQUIRE(got.size() == 2);
+  // What the servers hold now, the stats request itself included.
+  CHECK(got[0] == ps.server_stats(0));
+  CHECK(got[1] == ps.server_stats(1));
+  CHECK(got[0].requests == 2);  // the pull, the stats request
+  CHECK(got[1].requests == 4);  // the pull, two pushes, the stats request
+  CHECK(got[1].pushes == 2);
+  CHECK(got[1].bytes_in == 12 * sizeof(float));
+  CHECK(got[0].bytes_out == 4 * sizeof(float));
+  CHECK(got[1].parameter_bytes == 6 * sizeof(float));
+  CHECK(got[1].staleness.size() == psx::staleness_buckets);
+  std::uint64_t applied = 0;
+  for (auto n : got[1].staleness) applied += n;
+  CHECK(applied == 2);
+  CHECK(got[1].staleness[0] == 1);  // the first push: against the version pulled
+  CHECK(got[1].staleness[1] == 1);  // the second: one update later
+  psx::ServerStats sum = got[0];
+  sum += got[1];
+  CHECK(sum.requests == 6);
+  CHECK(sum.parameter_bytes == 10 * sizeof(float));
+}
+
 TEST_CASE("barrier releases every worker together") {
   Watchdog dog("barrier");
   psx::ParameterServer<> ps({2, 4});

@@ -621,3 +621,26 @@ TEST_CASE("zmq: callers on several threads send on the worker's sockets at once,
     CHECK(wrong.load() == 0);
   });
 }
+
+TEST_CASE("zmq: the chief collects the counters of a server in another process") {
+  with_one_server("zmq stats", [](auto& chief, const auto& w0, const auto&, const auto&) {
+    psx::Worker w = chief.worker(0);
+    std::vector<float> dense(1000);
+    w.pull("w", dense);
+    w.pull("w", dense);
+    CHECK(dense == w0);
+    // This process runs no server: its own counters say nothing of it.
+    CHECK_THROWS_AS(chief.server_stats(0), psx::config_error);
+    const std::vector<psx::ServerStats> got = w.server_stats();
+    REQUIRE(got.size() == 1);
+    CHECK(got[0].pulls >= 2);  // and the chief's reads of the variables
+    CHECK(got[0].bytes_out >= 2 * 1000 * sizeof(float));
+    CHECK(got[0].parameter_bytes == (1000 + 500 * 8 + 777) * sizeof(float));
+    CHECK(got[0].slot_bytes == 0);
+    CHECK(got[0].errors == 0);
+    CHECK(got[0].staleness.size() == psx::staleness_buckets);
+    // A second snapshot counts the first stats request.
+    const auto again = w.server_stats();
+    CHECK(again[0].requests == got[0].requests + 1);
+  });
+}

@@ -371,7 +371,7 @@ inline Incoming decode_request(std::span<const std::span<const std::byte>> frame
                      "-byte message is over the limit of " + std::to_string(limits.max_message_bytes) + " bytes");
   Incoming in;
   Request& r = in.request;
-  if (p.byte7 > static_cast<std::uint8_t>(Op::restore))
+  if (p.byte7 > static_cast<std::uint8_t>(Op::stats))
     throw wire_error("psx: " + std::string(where) + ": unknown operation " + std::to_string(p.byte7));
   r.op = static_cast<Op>(p.byte7);
   in.head.call = get<std::uint64_t>(h, 8);

@@ -819,6 +819,10 @@ class Zmq::link_type {
       const Item& item = r.items[i];
       if (r.op == Op::barrier)  // Worker::agree_max: 2 floats holding the agreed u64
         return o.count == 2 && o.kind == ::psx::detail::wire::OutKind::float32 ? "" : "a barrier's answer is 2 floats";
+      if (r.op == Op::stats)  // Worker::server_stats: the counters as float pairs
+        return o.count == ::psx::detail::stats_floats && o.kind == ::psx::detail::wire::OutKind::float32
+                   ? ""
+                   : "a stats answer is " + std::to_string(::psx::detail::stats_floats) + " floats";
       const bool pull = r.op == Op::pull || r.op == Op::read || r.op == Op::pull_rows;
       if (!pull) return o.count == 0 ? "" : "a push asks for values back";
       if (o.count == 0) return "a pull without an output";
