@@ -21,6 +21,7 @@
 
 #include <psx/detail/crc32c.hpp>
 #include <psx/errors.hpp>
+#include <psx/message.hpp>
 
 #include <fcntl.h>
 #include <unistd.h>
@@ -45,6 +46,7 @@
 #include <string>
 #include <string_view>
 #include <system_error>
+#include <utility>
 #include <vector>
 
 namespace psx {
@@ -487,6 +489,10 @@ class Writer {
   void histogram(std::string_view tag, std::span<const float> values, std::int64_t step) {
     append_event(step, detail::histogram_value(tag, make_histogram(values)));
   }
+  //! A histogram made elsewhere (counts already in buckets: `staleness_histogram`).
+  void histogram(std::string_view tag, const Histogram& h, std::int64_t step) {
+    append_event(step, detail::histogram_value(tag, h));
+  }
   //! Text for TensorBoard's text plugin (Markdown).
   void text(std::string_view tag, std::string_view text, std::int64_t step) {
     append_event(step, detail::text_value(tag, text));
@@ -628,6 +634,59 @@ inline std::vector<Event> read_events(const std::filesystem::path& file) {
     offset += 16 + length;
   }
   return events;
+}
+
+//! A server's staleness counts (`ServerStats::staleness`: `counts[k]`
+//! gradients k versions old, the last bucket k or more) as a histogram:
+//! bucket k spans [k - 0.5, k + 0.5), so TensorBoard centres it on k.
+inline Histogram staleness_histogram(std::span<const std::uint64_t> counts) {
+  Histogram h;
+  h.min = DBL_MAX;
+  h.max = -DBL_MAX;
+  for (std::size_t k = 0; k < counts.size(); ++k) {
+    h.bucket_limit.push_back(k + 1 < counts.size() ? static_cast<double>(k) + 0.5 : DBL_MAX);
+    const auto n = static_cast<double>(counts[k]);
+    h.bucket.push_back(n);
+    if (counts[k] == 0) continue;
+    const auto v = static_cast<double>(k);
+    h.min = std::min(h.min, v);
+    h.max = std::max(h.max, v);
+    h.num += n;
+    h.sum += n * v;
+    h.sum_squares += n * v * v;
+  }
+  return h;
+}
+
+//! What a chief watches of its servers (`Worker::server_stats()`), at
+//! `step`: for each server s the scalars `servers/<s>/requests`, `pulls`,
+//! `pushes`, `bytes_in`, `bytes_out`, `errors`, `dropped`, `rejected`,
+//! `undelivered`, `parameter_bytes` and `slot_bytes` (cumulative counts, as
+//! the servers keep them); the load balance `servers/bytes_max_over_mean`
+//! (the busiest server's bytes in + out over the mean, 1 when balanced);
+//! and the staleness of every server together as the histogram
+//! `servers/staleness`.
+inline void write_server_stats(Writer& w, std::span<const ServerStats> servers, std::int64_t step) {
+  ServerStats total;
+  double max_bytes = 0.0, sum_bytes = 0.0;
+  for (std::size_t s = 0; s < servers.size(); ++s) {
+    const ServerStats& st = servers[s];
+    const std::string at = "servers/" + std::to_string(s) + "/";
+    const std::pair<const char*, std::uint64_t> counters[] = {
+        {"requests", st.requests},       {"pulls", st.pulls},         {"pushes", st.pushes},
+        {"bytes_in", st.bytes_in},       {"bytes_out", st.bytes_out}, {"errors", st.errors},
+        {"dropped", st.dropped},         {"rejected", st.rejected},   {"undelivered", st.undelivered},
+        {"parameter_bytes", st.parameter_bytes}, {"slot_bytes", st.slot_bytes}};
+    for (const auto& [name, value] : counters) w.scalar(at + name, static_cast<float>(value), step);
+    const auto bytes = static_cast<double>(st.bytes_in + st.bytes_out);
+    max_bytes = std::max(max_bytes, bytes);
+    sum_bytes += bytes;
+    total += st;
+  }
+  if (!servers.empty() && sum_bytes > 0.0)
+    w.scalar("servers/bytes_max_over_mean",
+             static_cast<float>(max_bytes / (sum_bytes / static_cast<double>(servers.size()))), step);
+  w.histogram("servers/staleness", staleness_histogram(total.staleness), step);
 }
 
 }  // namespace summary

@@ -502,3 +502,54 @@ TEST_CASE("summary: a log directory that cannot be made is named") {
   const auto e = psx_test::message_of<psx::summary_error>([&] { psx::SummaryWriter w(dir.path / "file" / "run"); });
   CHECK(e.find((dir.path / "file" / "run").string()) != std::string::npos);
 }
+
+TEST_CASE("summary: the servers' counters as scalars, their load balance and one staleness histogram") {
+  TempDir dir("psx-summary");
+  std::vector<psx::ServerStats> servers(2);
+  servers[0].requests = 10;
+  servers[0].bytes_in = 300;
+  servers[0].bytes_out = 100;
+  servers[0].staleness.assign(psx::staleness_buckets, 0);
+  servers[0].staleness[0] = 5;
+  servers[0].staleness[2] = 1;
+  servers[1].requests = 4;
+  servers[1].bytes_in = 100;
+  servers[1].slot_bytes = 64;
+  servers[1].staleness.assign(psx::staleness_buckets, 0);
+  servers[1].staleness[0] = 2;
+  servers[1].staleness[psx::staleness_buckets - 1] = 1;  // 63 or more
+  fs::path file;
+  {
+    psx::SummaryWriter w(dir.path);
+    file = w.path();
+    psx::summary::write_server_stats(w, servers, 12);
+  }
+  std::map<std::string, float> scalars;
+  const psx::summary::Histogram* staleness = nullptr;
+  const auto events = psx::summary::read_events(file);
+  for (const auto& e : events)
+    for (const auto& v : e.values) {
+      CHECK(e.step == 12);
+      if (v.kind == Value::Kind::scalar) scalars[v.tag] = v.scalar;
+      if (v.kind == Value::Kind::histogram && v.tag == "servers/staleness") staleness = &v.histogram;
+    }
+  CHECK(scalars.size() == 2 * 11 + 1);
+  CHECK(scalars.at("servers/0/requests") == 10.0f);
+  CHECK(scalars.at("servers/1/requests") == 4.0f);
+  CHECK(scalars.at("servers/0/bytes_in") == 300.0f);
+  CHECK(scalars.at("servers/1/slot_bytes") == 64.0f);
+  CHECK(scalars.at("servers/1/bytes_out") == 0.0f);
+  CHECK(scalars.at("servers/bytes_max_over_mean") == doctest::Approx(400.0 / 250.0));
+  REQUIRE(staleness != nullptr);
+  CHECK(staleness->num == 9.0);
+  CHECK(staleness->min == 0.0);
+  CHECK(staleness->max == 63.0);
+  CHECK(staleness->sum == 2.0 + 63.0);
+  REQUIRE(staleness->bucket.size() == psx::staleness_buckets);
+  CHECK(staleness->bucket[0] == 7.0);
+  CHECK(staleness->bucket[2] == 1.0);
+  CHECK(staleness->bucket.back() == 1.0);
+  CHECK(staleness->bucket_limit[0] == 0.5);
+  CHECK(staleness->bucket_limit[2] == 2.5);
+  CHECK(staleness->bucket_limit.back() == DBL_MAX);
+}
