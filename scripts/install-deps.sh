@@ -11,6 +11,7 @@ packages=(
   doctest-dev libbenchmark-dev               # tests and microbenchmarks
   util-linux procps iproute2 python3         # test tools: taskset, ps/pgrep, ip/ss (two-host
                                              # test), python3 (psx-launch --spec)
+  gnuplot-nox                                # psx-bench draws its loss-vs-time plot (PNG)
   python3-numpy python3-pip                  # the export test reads .npz with numpy.load (and
                                              # .safetensors with the PyPI package, when it installs)
 )

@@ -174,7 +174,8 @@ struct ServerStats {
 
   //! The scalar counters, in their wire order (Op::stats answers).
   static constexpr std::size_t counters = 12;
-  static constexpr std::uint64_t ServerStats::*fields[counters] = {
+  using Counter = std::uint64_t ServerStats::*;
+  static constexpr Counter fields[counters] = {
       &ServerStats::requests, &ServerStats::pulls,           &ServerStats::pushes,     &ServerStats::bytes_in,
       &ServerStats::bytes_out, &ServerStats::errors,          &ServerStats::dropped,    &ServerStats::steps,
       &ServerStats::parameter_bytes, &ServerStats::slot_bytes, &ServerStats::rejected, &ServerStats::undelivered};
