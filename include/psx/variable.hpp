@@ -186,7 +186,18 @@ struct VariableInfo {
 
   //! Index in `shards` of the shard holding `row` (row < rows).
   std::size_t shard_of_row(std::size_t row) const noexcept {
-    std::size_t lo = 0, hi = shards.size();
+    const std::size_t n = shards.size();
+    if (n <= 1) return 0;
+    // Shards hold the rows in order. Where a partitioner splits them evenly
+    // (RowRange), `row` is in shard row * n / rows or a neighbour: try
+    // those first (a row lookup per id of every sparse call), then search.
+    const auto holds = [&](std::size_t k) { return shards[k].row_begin <= row && row < shards[k].row_end; };
+    const double rows = static_cast<double>(shards.back().row_end);
+    const auto guess = std::min(n - 1, static_cast<std::size_t>(static_cast<double>(row) / rows * static_cast<double>(n)));
+    if (holds(guess)) return guess;
+    if (guess + 1 < n && holds(guess + 1)) return guess + 1;
+    if (guess > 0 && holds(guess - 1)) return guess - 1;
+    std::size_t lo = 0, hi = n;
     while (hi - lo > 1) {
       const std::size_t mid = (lo + hi) / 2;
       (shards[mid].row_begin <= row ? lo : hi) = mid;

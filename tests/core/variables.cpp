@@ -151,6 +151,27 @@ TEST_CASE("VariableInfo::shard_of_row finds the owning shard") {
   CHECK(v.shard_of_row(4) == 1);
   CHECK(v.shard_of_row(6) == 1);
   CHECK(v.shard_of_row(9) == 2);
+  // Every row, for even splits (the guess hits) and uneven ones (a guess
+  // far off: the search), against a scan of the shards.
+  std::mt19937_64 rng(3);
+  for (int round = 0; round < 40; ++round) {
+    const std::size_t rows = 1 + rng() % 3000, n = 1 + rng() % std::min<std::size_t>(rows, 70);
+    v.meta = meta("w", rows);
+    if (round % 2 == 0) {
+      v.shards = psx::partition::RowRange{}.place(v.meta, n);
+    } else {  // cut points anywhere, one shard per server
+      std::set<std::size_t> cuts = {0, rows};
+      while (cuts.size() < n + 1) cuts.insert(1 + rng() % (rows - 1));
+      v.shards.clear();
+      for (auto it = cuts.begin(); std::next(it) != cuts.end(); ++it)
+        v.shards.push_back({v.shards.size(), *it, *std::next(it)});
+    }
+    for (std::size_t row = 0; row < rows; ++row) {
+      const std::size_t k = v.shard_of_row(row);
+      REQUIRE(k < v.shards.size());
+      if (v.shards[k].row_begin > row || row >= v.shards[k].row_end) FAIL("row " << row << " not in shard " << k);
+    }
+  }
 }
 
 TEST_CASE("ShardRange splits a data set like tf.data's shard") {
