@@ -323,6 +323,8 @@ class Server final : public RequestHandler {
   // Writes every shard this server holds, with its optimizer slots, into
   // the checkpoint directory `r.reason` (psx/checkpoint.hpp's format).
   void save(const Request& r) {
+    // An empty path would write the shard into the server's working directory.
+    if (r.reason.empty()) throw wire_error("psx: " + where(r) + ": a save request names no checkpoint directory");
     const auto& hooks = detail::persist_hooks();
     if (!hooks.save)
       throw config_error("psx: server " + std::to_string(index_) +

@@ -622,6 +622,14 @@ TEST_CASE("random and malformed requests never crash a server, and a refused one
   CHECK(applied > 10);   // and some well-formed pushes got through
 }
 
+TEST_CASE("a save request without a directory is refused") {
+  // The random requests above include saves without one: they once wrote
+  // server-00000.psx into the working directory.
+  HandServer<psx::sync::Asynchronous> h;
+  CHECK(h.send(op(psx::Op::save, 0)) ==
+        "psx: server 0, request from worker 0: a save request names no checkpoint directory");
+}
+
 TEST_CASE("a worker declared lost is told so when it comes back") {
   HandServer<> h({psx::sync::Aggregate::mean, psx::OnWorkerLost::shrink});
   psx::Request fail = op(psx::Op::fail, 1);
