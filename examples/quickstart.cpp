@@ -7,13 +7,20 @@
 // [16]) and the item embeddings e (sparse, [100, 8]), and the run ends with
 // the final loss and how close w and e came to w* and e*.
 //
-//   ./quickstart [steps]
+// The chief prints its progress (rate, ETA) and writes TensorBoard summaries
+// every 250 steps: loss, learning rate, the global norm of its gradient,
+// examples/s, and the servers' counters (bytes per server, staleness).
+//
+//   ./quickstart [steps] [logdir]     (logdir: $TMPDIR/psx-quickstart)
+//   tensorboard --logdir <logdir>
 #include <psx/psx.hpp>
+#include <psx/summary.hpp>
 
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <random>
 #include <vector>
 
@@ -79,6 +86,8 @@ double relative_error(const std::vector<float>& got, const std::vector<float>& w
 
 int main(int argc, char** argv) {
   const std::size_t steps = argc > 1 ? std::strtoul(argv[1], nullptr, 10) : 1500;
+  const std::filesystem::path logdir =
+      argc > 2 ? std::filesystem::path(argv[2]) : std::filesystem::temp_directory_path() / "psx-quickstart";
   const Dataset data = generate();
 
   // Synchronous SGD averaged over workers; the dense weights and the
@@ -91,6 +100,8 @@ int main(int argc, char** argv) {
   std::printf("psx quickstart: %zu examples, 2 servers, 4 workers, %zu steps of %zu examples per worker\n",
               kExamples, steps, kBatch);
   const auto start = std::chrono::steady_clock::now();
+  psx::SummaryWriter summaries(logdir);  // only the chief writes
+  psx::summary::Progress progress(steps);
 
   ps.run([&](psx::Worker& worker) {
     const psx::ShardRange mine = worker.shard(kExamples);  // this worker's examples
@@ -124,9 +135,16 @@ int main(int argc, char** argv) {
 
       window_loss += loss / kBatch;
       if (worker.is_chief() && (step + 1) % 250 == 0) {
-        const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-        std::printf("step %5zu  loss %.4f  %9.0f examples/s\n", step + 1, window_loss / 250,
-                    static_cast<double>((step + 1) * kBatch * worker.num_workers()) / secs);
+        progress.update(step + 1);
+        const double examples_per_s = progress.rate() * static_cast<double>(kBatch * worker.num_workers());
+        const auto at = static_cast<std::int64_t>(step + 1);
+        summaries.scalar("loss", static_cast<float>(window_loss / 250), at);
+        summaries.scalar("learning_rate", static_cast<float>(ps.optimizer().lr), at);
+        summaries.scalar("gradient_global_norm", psx::global_norm({gw, ge}), at);
+        summaries.scalar("examples_per_second", static_cast<float>(examples_per_s), at);
+        psx::summary::write_server_stats(summaries, worker.server_stats(), at);  // bytes per server, staleness
+        std::printf("loss %.4f  %9.0f examples/s  %s\n", window_loss / 250, examples_per_s,
+                    progress.line().c_str());
         window_loss = 0;
       }
     }
@@ -140,4 +158,6 @@ int main(int argc, char** argv) {
               mean_loss(data, data.true_w, data.true_e));
   std::printf("relative error of w:              %.3f\n", relative_error(w, data.true_w));
   std::printf("relative error of item_embedding: %.3f\n", relative_error(e, data.true_e));
+  summaries.close();
+  std::printf("TensorBoard summaries: %s (tensorboard --logdir %s)\n", summaries.path().c_str(), logdir.c_str());
 }

@@ -470,6 +470,14 @@ concept has_connect = requires(const T& t, const TransportContext& ctx) {
 //! const` and `bool local_worker(std::size_t) const` (which servers and
 //! workers this process runs; without them, all) and `std::string
 //! wait_stopped()` (a process without workers serves until it returns).
+//!
+//! Optional, for links that must take part while a caller waits (a
+//! simulated cluster runs its events on the waiting threads): `void
+//! await(std::size_t worker, psx::Completion& done)` returns once `done` is
+//! ready (or throws when it never will be; `worker >= num_workers` for a
+//! thread that is not a worker), and `void worker_begins(std::size_t)` /
+//! `void worker_ends(std::size_t)`, called by `ParameterServer::run` before
+//! any worker starts and as each worker's function ends.
 template <class L>
 concept Link = detail::has_send<L> && detail::has_serve<L> && detail::has_close<L>;
 

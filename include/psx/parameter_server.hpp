@@ -142,6 +142,16 @@ class ParameterServer {
     }
     auto* raw = link.get();
     core_->send = [raw](std::size_t server, Request&& r) { raw->send(server, std::move(r)); };
+    using L = typename T::link_type;
+    if constexpr (requires(L& l, Completion& c, std::size_t w) { l.await(w, c); })
+      core_->await = [raw](std::size_t w, Completion& c) { raw->await(w, c); };
+    if constexpr (requires(L& l, std::size_t w) {
+                    l.worker_begins(w);
+                    l.worker_ends(w);
+                  }) {
+      core_->worker_begins = [raw](std::size_t w) { raw->worker_begins(w); };
+      core_->worker_ends = [raw](std::size_t w) { raw->worker_ends(w); };
+    }
     {
       std::lock_guard lock(link_mu_);
       link_ = std::move(link);
@@ -222,8 +232,10 @@ class ParameterServer {
           core_->send(s, std::move(r));
         }
       }
-      joined->wait();
+      core_->wait(config().num_workers, *joined);
     }
+    if (core_->worker_begins)
+      for (std::size_t w : local) core_->worker_begins(w);
     std::exception_ptr first;
     std::mutex mu;
     std::vector<std::thread> workers;
@@ -249,6 +261,7 @@ class ParameterServer {
           }
           detail::announce(*core_, w, Op::fail, reason);
         }
+        if (core_->worker_ends) core_->worker_ends(w);
       });
     }
     for (auto& t : workers) t.join();

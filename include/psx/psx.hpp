@@ -24,5 +24,6 @@
 #include <psx/storage.hpp>
 #include <psx/sync.hpp>
 #include <psx/transport/inprocess.hpp>
+#include <psx/transport/simulated.hpp>
 #include <psx/variable.hpp>
 #include <psx/worker.hpp>

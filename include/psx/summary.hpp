@@ -40,6 +40,7 @@
 #include <exception>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <mutex>
 #include <ostream>
 #include <span>
@@ -688,6 +689,77 @@ inline void write_server_stats(Writer& w, std::span<const ServerStats> servers, 
              static_cast<float>(max_bytes / (sum_bytes / static_cast<double>(servers.size()))), step);
   w.histogram("servers/staleness", staleness_histogram(total.staleness), step);
 }
+
+//! Progress of a long run for a line on the terminal: how far, how fast,
+//! how long still (rate over the whole run so far). Updated by one thread.
+//!
+//! @code
+//! psx::summary::Progress progress(steps);
+//! progress.update(step + 1);
+//! std::fprintf(stderr, "\r%s", progress.line().c_str());  // 250/1500 steps (16.7%), 833 steps/s, ...
+//! @endcode
+class Progress {
+ public:
+  using clock_type = std::chrono::steady_clock;
+
+  explicit Progress(std::uint64_t total, std::string unit = "steps", clock_type::time_point start = clock_type::now())
+      : total_(total), unit_(std::move(unit)), start_(start), now_(start) {}
+
+  //! `done` units are finished at `now`.
+  void update(std::uint64_t done, clock_type::time_point now = clock_type::now()) noexcept {
+    done_ = done;
+    now_ = std::max(now, start_);
+  }
+
+  std::uint64_t done() const noexcept { return done_; }
+  std::uint64_t total() const noexcept { return total_; }
+  double elapsed_seconds() const noexcept { return std::chrono::duration<double>(now_ - start_).count(); }
+  //! Units per second since the start; 0 until some time passed.
+  double rate() const noexcept {
+    const double s = elapsed_seconds();
+    return s > 0 ? static_cast<double>(done_) / s : 0.0;
+  }
+  //! Seconds left at the rate so far: 0 when done, NaN while unknown
+  //! (nothing done yet).
+  double eta_seconds() const noexcept {
+    if (done_ >= total_) return 0.0;
+    const double r = rate();
+    return r > 0 ? static_cast<double>(total_ - done_) / r : std::numeric_limits<double>::quiet_NaN();
+  }
+
+  //! `250/1500 steps (16.7%), 833 steps/s, 0.3 s elapsed, ETA 1.5 s`.
+  std::string line() const {
+    char head[160];
+    const double pct = total_ > 0 ? 100.0 * static_cast<double>(done_) / static_cast<double>(total_) : 100.0;
+    std::snprintf(head, sizeof head, "%llu/%llu %s (%.1f%%), %.4g %s/s, ", static_cast<unsigned long long>(done_),
+                  static_cast<unsigned long long>(total_), unit_.c_str(), pct, rate(), unit_.c_str());
+    const double eta = eta_seconds();
+    return head + duration(elapsed_seconds()) + " elapsed, ETA " + (std::isnan(eta) ? std::string("-") : duration(eta));
+  }
+
+  //! `0.3 s`, `42 s`, `3m05s`, `2h03m`.
+  static std::string duration(double seconds) {
+    char out[48];
+    if (!(seconds < 1e9)) return "-";
+    // Thresholds where the rounded figure would reach the next unit.
+    if (seconds < 9.95) std::snprintf(out, sizeof out, "%.1f s", seconds);
+    else if (seconds < 59.5) std::snprintf(out, sizeof out, "%.0f s", seconds);
+    else if (seconds < 3599.5) {
+      const auto s = static_cast<long long>(seconds + 0.5);
+      std::snprintf(out, sizeof out, "%lldm%02llds", s / 60, s % 60);
+    } else {
+      const auto m = static_cast<long long>(seconds / 60 + 0.5);
+      std::snprintf(out, sizeof out, "%lldh%02lldm", m / 60, m % 60);
+    }
+    return out;
+  }
+
+ private:
+  std::uint64_t total_;
+  std::string unit_;
+  clock_type::time_point start_, now_;
+  std::uint64_t done_ = 0;
+};
 
 }  // namespace summary
 

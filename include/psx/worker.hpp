@@ -73,16 +73,24 @@ class Handle {
   //! Sent while a wait lasts, every `heartbeat_every`, so that servers the
   //! call does not involve still hear from the worker (peer timeouts).
   using Heartbeat = std::function<void()>;
+  //! Waits for the completion in the transport's own way (a simulated
+  //! cluster runs its events meanwhile); may throw when it never will be
+  //! ready. Without one, the completion is waited for plainly.
+  using Waiter = std::function<void(Completion&)>;
 
   Handle() = default;
-  explicit Handle(std::shared_ptr<Completion> done, Heartbeat heartbeat = {},
+  explicit Handle(std::shared_ptr<Completion> done, Waiter waiter = {}, Heartbeat heartbeat = {},
                   std::chrono::milliseconds heartbeat_every = {}) noexcept
-      : done_(std::move(done)), heartbeat_(std::move(heartbeat)), every_(heartbeat_every) {}
+      : done_(std::move(done)),
+        waiter_(std::move(waiter)),
+        heartbeat_(std::move(heartbeat)),
+        every_(heartbeat_every) {}
   Handle(Handle&&) noexcept = default;
   Handle& operator=(Handle&& other) noexcept {
     if (this != &other) {
       settle();
       done_ = std::move(other.done_);
+      waiter_ = std::move(other.waiter_);
       heartbeat_ = std::move(other.heartbeat_);
       every_ = other.every_;
     }
@@ -94,6 +102,7 @@ class Handle {
   void wait() {
     if (!done_) return;
     auto done = std::move(done_);
+    if (waiter_) waiter_(*done);
     if (heartbeat_ && every_.count() > 0)
       while (!done->wait_for(every_)) heartbeat_();
     done->wait();
@@ -105,12 +114,14 @@ class Handle {
   void settle() noexcept {
     if (!done_) return;
     try {
+      if (waiter_) waiter_(*done_);
       done_->wait();
-    } catch (...) {  // nobody asked for the result
+    } catch (...) {  // nobody asked for the result (or it can never come)
     }
     done_.reset();
   }
   std::shared_ptr<Completion> done_;
+  Waiter waiter_;
   Heartbeat heartbeat_;
   std::chrono::milliseconds every_{0};
 };
@@ -125,6 +136,18 @@ struct ClusterCore {
   std::function<void(std::size_t, Request&&)> send;
   std::atomic<bool> stopped{false};
   std::vector<std::uint64_t> clocks;  // one per worker, touched only by that worker's thread
+  // Set when the link has the optional members of the same names (a
+  // simulated cluster): how a worker (or, with an index >= num_workers,
+  // another thread) waits, and which workers `run` is running.
+  std::function<void(std::size_t, Completion&)> await;
+  std::function<void(std::size_t)> worker_begins;
+  std::function<void(std::size_t)> worker_ends;
+
+  // Waits for `done` on behalf of worker `w`; rethrows its error.
+  void wait(std::size_t w, Completion& done) const {
+    if (await) await(w, done);
+    done.wait();
+  }
 
   const VariableInfo& find(std::string_view name, std::string_view op, std::size_t worker) const {
     auto it = by_name.find(name);
@@ -394,8 +417,11 @@ class Worker {
   // A handle whose wait sends heartbeats when the cluster has a peer timeout.
   Handle handle(std::shared_ptr<Completion> done) const {
     const auto timeout = core_->config.peer_timeout;
-    if (timeout.count() <= 0) return Handle(std::move(done));
-    return Handle(std::move(done), [core = core_, index = index_] { detail::announce(*core, index, Op::heartbeat); },
+    Handle::Waiter waiter;
+    if (core_->await) waiter = [core = core_, index = index_](Completion& c) { core->await(index, c); };
+    if (timeout.count() <= 0) return Handle(std::move(done), std::move(waiter));
+    return Handle(std::move(done), std::move(waiter),
+                  [core = core_, index = index_] { detail::announce(*core, index, Op::heartbeat); },
                   std::max<std::chrono::milliseconds>(timeout / 4, std::chrono::milliseconds(1)));
   }
 
@@ -444,7 +470,7 @@ class Worker {
       auto error = std::current_exception();
       for (; s < per_server.size(); ++s)
         if (!per_server[s].items.empty()) done->finish(error);
-      done->wait();
+      core_->wait(index_, *done);
     }
     return handle(std::move(done));
   }

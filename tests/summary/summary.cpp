@@ -553,3 +553,29 @@ TEST_CASE("summary: the servers' counters as scalars, their load balance and one
   CHECK(staleness->bucket_limit[2] == 2.5);
   CHECK(staleness->bucket_limit.back() == DBL_MAX);
 }
+
+TEST_CASE("summary: Progress says how far, how fast and how long still") {
+  using namespace std::chrono_literals;
+  const auto t0 = psx::summary::Progress::clock_type::time_point{} + 100s;
+  psx::summary::Progress p(1500, "steps", t0);
+  CHECK(p.rate() == 0.0);
+  CHECK(std::isnan(p.eta_seconds()));
+  CHECK(p.line() == "0/1500 steps (0.0%), 0 steps/s, 0.0 s elapsed, ETA -");
+  p.update(250, t0 + 300ms);
+  CHECK(p.rate() == doctest::Approx(250 / 0.3));
+  CHECK(p.eta_seconds() == doctest::Approx(1250 / (250 / 0.3)));
+  CHECK(p.line() == "250/1500 steps (16.7%), 833.3 steps/s, 0.3 s elapsed, ETA 1.5 s");
+  p.update(1000, t0 + 2min);
+  CHECK(p.line() == "1000/1500 steps (66.7%), 8.333 steps/s, 2m00s elapsed, ETA 1m00s");
+  p.update(1500, t0 + 3h);
+  CHECK(p.eta_seconds() == 0.0);
+  CHECK(p.line() == "1500/1500 steps (100.0%), 0.1389 steps/s, 3h00m elapsed, ETA 0.0 s");
+  // A clock that went backwards counts as no time passed.
+  p.update(10, t0 - 1s);
+  CHECK(p.elapsed_seconds() == 0.0);
+  CHECK(psx::summary::Progress::duration(42.4) == "42 s");
+  CHECK(psx::summary::Progress::duration(3725) == "1h02m");
+  CHECK(psx::summary::Progress::duration(9.96) == "10 s");
+  CHECK(psx::summary::Progress::duration(59.7) == "1m00s");
+  CHECK(psx::summary::Progress::duration(3599.7) == "1h00m");
+}
