@@ -162,6 +162,13 @@ struct ServerStats {
   std::uint64_t rejected = 0;
   //! Answers that could not be delivered because their worker was gone.
   std::uint64_t undelivered = 0;
+  //! The server's queue: requests it holds right now, waiting on the sync
+  //! policy (pulls ahead of the applied steps, barrier parts); summed over
+  //! servers by `+=`.
+  std::uint64_t waiting = 0;
+  //! The most requests it held at once (summed over servers by `+=`: a
+  //! bound of the cluster's).
+  std::uint64_t waiting_max = 0;
 
   //! Adds `o`'s counters (summing servers).
   ServerStats& operator+=(const ServerStats& o) {
@@ -173,12 +180,13 @@ struct ServerStats {
   friend bool operator==(const ServerStats&, const ServerStats&) = default;
 
   //! The scalar counters, in their wire order (Op::stats answers).
-  static constexpr std::size_t counters = 12;
+  static constexpr std::size_t counters = 14;
   using Counter = std::uint64_t ServerStats::*;
   static constexpr Counter fields[counters] = {
       &ServerStats::requests, &ServerStats::pulls,           &ServerStats::pushes,     &ServerStats::bytes_in,
       &ServerStats::bytes_out, &ServerStats::errors,          &ServerStats::dropped,    &ServerStats::steps,
-      &ServerStats::parameter_bytes, &ServerStats::slot_bytes, &ServerStats::rejected, &ServerStats::undelivered};
+      &ServerStats::parameter_bytes, &ServerStats::slot_bytes, &ServerStats::rejected, &ServerStats::undelivered,
+      &ServerStats::waiting,         &ServerStats::waiting_max};
 };
 
 namespace detail {

@@ -95,10 +95,12 @@ class Server final : public RequestHandler {
       count(errors_);
       r.finish(std::move(error));
     }
+    note_waiting();
   }
 
   void drain(const ErrorFactory& make_error) noexcept override {
     fail_waiting(make_error);
+    note_waiting();
   }
 
   time_point next_tick() const noexcept override {
@@ -123,6 +125,7 @@ class Server final : public RequestHandler {
       } catch (...) {  // a failing policy or allocation: keep serving
       }
     }
+    note_waiting();
   }
 
   //! A snapshot of the counters.
@@ -136,6 +139,8 @@ class Server final : public RequestHandler {
     st.slot_bytes = slot_bytes_;
     st.rejected = get(rejected_);
     st.undelivered = get(undelivered_);
+    st.waiting = get(waiting_);
+    st.waiting_max = get(waiting_max_);
     return st;
   }
 
@@ -201,6 +206,13 @@ class Server final : public RequestHandler {
   // the hot path free of locked instructions.
   static void count(std::atomic<std::uint64_t>& a, std::uint64_t n = 1) noexcept {
     a.store(a.load(std::memory_order_relaxed) + n, std::memory_order_relaxed);
+  }
+
+  // The queue's gauge, after anything that may have kept or let go requests.
+  void note_waiting() noexcept {
+    const std::uint64_t n = parked_.size() + barrier_.size();
+    waiting_.store(n, std::memory_order_relaxed);
+    if (n > waiting_max_.load(std::memory_order_relaxed)) waiting_max_.store(n, std::memory_order_relaxed);
   }
 
   void record_staleness(std::uint64_t now, std::uint64_t pulled) noexcept {
@@ -812,7 +824,7 @@ class Server final : public RequestHandler {
 
   std::size_t index_;
   std::atomic<std::uint64_t> requests_{0}, pulls_{0}, pushes_{0}, bytes_in_{0}, bytes_out_{0}, errors_{0},
-      dropped_{0}, steps_{0}, rejected_{0}, undelivered_{0};
+      dropped_{0}, steps_{0}, rejected_{0}, undelivered_{0}, waiting_{0}, waiting_max_{0};
   std::array<std::atomic<std::uint64_t>, staleness_buckets> staleness_{};
   SyncStateT sync_;
   O optimizer_;

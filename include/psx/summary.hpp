@@ -663,7 +663,8 @@ inline Histogram staleness_histogram(std::span<const std::uint64_t> counts) {
 //! `step`: for each server s the scalars `servers/<s>/requests`, `pulls`,
 //! `pushes`, `bytes_in`, `bytes_out`, `errors`, `dropped`, `rejected`,
 //! `undelivered`, `parameter_bytes` and `slot_bytes` (cumulative counts, as
-//! the servers keep them); the load balance `servers/bytes_max_over_mean`
+//! the servers keep them), `waiting` (requests held now: the queue's depth)
+//! and `waiting_max`; the load balance `servers/bytes_max_over_mean`
 //! (the busiest server's bytes in + out over the mean, 1 when balanced);
 //! and the staleness of every server together as the histogram
 //! `servers/staleness`.
@@ -677,7 +678,8 @@ inline void write_server_stats(Writer& w, std::span<const ServerStats> servers, 
         {"requests", st.requests},       {"pulls", st.pulls},         {"pushes", st.pushes},
         {"bytes_in", st.bytes_in},       {"bytes_out", st.bytes_out}, {"errors", st.errors},
         {"dropped", st.dropped},         {"rejected", st.rejected},   {"undelivered", st.undelivered},
-        {"parameter_bytes", st.parameter_bytes}, {"slot_bytes", st.slot_bytes}};
+        {"parameter_bytes", st.parameter_bytes}, {"slot_bytes", st.slot_bytes}, {"waiting", st.waiting},
+        {"waiting_max", st.waiting_max}};
     for (const auto& [name, value] : counters) w.scalar(at + name, static_cast<float>(value), step);
     const auto bytes = static_cast<double>(st.bytes_in + st.bytes_out);
     max_bytes = std::max(max_bytes, bytes);

@@ -149,6 +149,27 @@ TEST_CASE("a synchronous pull waits for every worker's step") {
   CHECK(out[0] == 7.0f);  // 10 - 1 * (1 + 2)
 }
 
+TEST_CASE("a server counts the requests it holds: its queue's depth now and at most") {
+  Watchdog dog("queue depth");
+  psx::ParameterServer<> ps({1, 3}, {}, {psx::sync::Aggregate::sum}, {1.0f});
+  ps.declare(psx::dense("x", {1}));
+  auto w0 = ps.worker(0), w1 = ps.worker(1), w2 = ps.worker(2);
+  std::vector<float> out0(1), out1(1);
+  w0.step();
+  w1.step();
+  auto p0 = w0.pull_async("x", out0);  // both need worker 2's step 0
+  auto p1 = w1.pull_async("x", out1);
+  while (ps.server_stats(0).waiting < 2) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  CHECK(ps.server_stats(0).waiting == 2);
+  CHECK(w2.server_stats()[0].waiting == 2);  // over the transport too
+  w2.step();
+  p0.wait();
+  p1.wait();
+  const psx::ServerStats st = ps.server_stats(0);
+  CHECK(st.waiting == 0);
+  CHECK(st.waiting_max == 2);
+}
+
 TEST_CASE("a worker's pushes within one step add up; a worker that pushes nothing adds nothing") {
   psx::ParameterServer<> ps({1, 3}, {}, {psx::sync::Aggregate::sum}, {1.0f});
   ps.declare(psx::dense("x", {2}));
