@@ -23,11 +23,7 @@
 //              label is drawn from Bernoulli(sigmoid(.)) of a hidden table
 //              and vector of the same shapes. pull_rows/push_rows for the
 //              table (repeated ids summed), one batched pull/push for w and
-//              b, both in flight together. A step also pulls and pushes
-//              (with a zero gradient) the first row of any shard of the table
-//              its batch does not touch: SyncReplicas counts steps per shard
-//              and deadlocks with M = N workers when a worker skips a shard
-//              (see the comment in EmbeddingTrainer::step).
+//              b, both in flight together.
 // Every cell trains from the same initial values (counter-based
 // initializers) with SGD (--lr per workload) and Aggregate::mean; worker w
 // trains on examples w, w+N, w+2N, ... (Worker::shard), --batch per step.
@@ -620,7 +616,6 @@ class Embedding final : public Workload {
         : e_(e),
           w_(w),
           mine_(w.shard(kExamples)),
-          shards_(w.variable("embedding").shards),
           ids_(e.batch * e.k_),
           rows_(ids_.size() * e.dim_),
           grows_(rows_.size()),
@@ -637,18 +632,6 @@ class Embedding final : public Workload {
         const std::size_t n = mine_[(t * batch + b) % mine_.size()];
         std::copy_n(&e_.ids_[n * k], k, &ids_[b * k]);
       }
-      // Every shard of the table gets a row in every step: the batch's own,
-      // else its first row with a zero gradient. SyncReplicas counts steps
-      // per shard, and a worker that skips a shard for a step leaves the
-      // others waiting there for its contribution while it waits elsewhere
-      // for theirs (a deadlock with M = N workers, seen in this benchmark).
-      ids_.resize(batch * k);
-      for (const psx::Shard& sh : shards_)
-        if (std::none_of(ids_.begin(), ids_.begin() + static_cast<std::ptrdiff_t>(batch * k),
-                         [&](std::uint64_t id) { return id >= sh.row_begin && id < sh.row_end; }))
-          ids_.push_back(sh.row_begin);
-      rows_.resize(ids_.size() * dim);
-      grows_.assign(ids_.size() * dim, 0.0f);
       // Both pulls in flight at once; the same for the pushes.
       const psx::PullItem dense[] = {{"w", wv_}, {"b", b_}};
       psx::Handle h1 = w_.pull_async(dense);
@@ -691,7 +674,6 @@ class Embedding final : public Workload {
     const Embedding& e_;
     psx::Worker& w_;
     psx::ShardRange mine_;
-    std::vector<psx::Shard> shards_;  // the table's
     std::vector<std::uint64_t> ids_;
     std::vector<float> rows_, grows_, wv_, gw_, b_, gb_, sum_;
     std::mt19937_64 rng_;

@@ -249,6 +249,13 @@ concept has_make_state = requires(const S& s, std::size_t num_workers) { s.make_
 
 // Optional: delay compensation (DC-ASGD). A state that provides both keeps,
 // per worker, a copy of the parameters it last pulled.
+// Optional: a step() that pushed nothing to a shard counts as an empty
+// contribution to that shard's next step (SyncReplicas).
+template <class St>
+concept counts_empty_steps = requires {
+  { St::counts_empty_steps } -> std::convertible_to<bool>;
+} && St::counts_empty_steps;
+
 template <class St>
 concept has_compensation = requires(const St& st, const VariableMeta& v, std::span<float> g,
                                     std::span<const float> now, std::span<const float> pulled) {
@@ -278,7 +285,12 @@ concept has_compensation = requires(const St& st, const VariableMeta& v, std::sp
 //!
 //! Optional: `compensates(variable) const -> bool` and
 //! `compensate(variable, g, w_now, w_pulled) const` rewrite a gradient from the
-//! parameters the worker read (delay compensation, see `sync::Asynchronous`).
+//! parameters the worker read (delay compensation, see `sync::Asynchronous`);
+//! `static constexpr bool counts_empty_steps = true`: a worker's `step()`
+//! that pushed nothing to a shard adds an empty contribution to the first
+//! step of that shard it is not yet in (it counts in `StepProgress` and in
+//! a mean, adds no gradient), for policies that complete steps by counting
+//! contributions (see `sync::SyncReplicas`).
 template <class St>
 concept SyncState = detail::has_on_push<St> && detail::has_may_pull<St> && detail::has_step_complete<St> &&
                     detail::has_finish<St> && detail::has_on_worker_lost<St>;

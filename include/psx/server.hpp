@@ -37,6 +37,7 @@ namespace detail {
 // One worker's gradient for one shard in one step: the sum of its pushes.
 struct Contribution {
   bool present = false;
+  bool empty = false;  // a step() without a gradient for this shard (SyncState::counts_empty_steps)
   std::uint64_t pulled_version = 0;  // the shard version the worker had read
   std::vector<float> dense;  // the whole shard, or empty when only rows were pushed
   RowAccumulator rows;
@@ -157,6 +158,7 @@ class Server final : public RequestHandler {
     std::uint64_t pulled_step = 0;
     bool has_pushed = false;
     std::uint64_t pushed_step = 0;
+    bool pushed_since_clock = false;  // a push (applied, aggregated or dropped) since the last step()
     std::vector<float> pulled;        // the values last pulled, for delay compensation
     std::vector<bool> pulled_rows;    // which rows of `pulled` hold values the worker read
   };
@@ -300,6 +302,7 @@ class Server final : public RequestHandler {
       case Op::join:
       case Op::leave:
         tick_clock(r);
+        if (r.op == Op::clock) count_empty_steps(r.worker);
         advance();
         break;
       case Op::fail:
@@ -558,15 +561,18 @@ class Server final : public RequestHandler {
           count(dropped_);
           wv.has_pushed = true;
           wv.pushed_step = wv.pulled_step;
+          wv.pushed_since_clock = true;
           break;
         case PushAction::Kind::aggregate: {
           wv.has_pushed = true;
           wv.pushed_step = actions[i].step;
+          wv.pushed_since_clock = true;
           auto& by_worker = s.pending[actions[i].step];
           if (by_worker.empty()) by_worker.resize(clocks_.size());
           detail::Contribution& c = by_worker[r.worker];
-          if (!c.present) {
+          if (!c.present || c.empty) {
             c.present = true;
+            c.empty = false;
             c.pulled_version = wv.pulled_version;
             c.rows = detail::RowAccumulator(s.width());
           }
@@ -675,10 +681,15 @@ class Server final : public RequestHandler {
     count(steps_);
     if (it == s.pending.end()) return;
     std::vector<detail::Contribution>& by_worker = it->second;
+    // Only empty contributions: a step without a gradient, like no push at all.
+    if (std::none_of(by_worker.begin(), by_worker.end(), [](const auto& c) { return c.present && !c.empty; })) {
+      s.pending.erase(it);
+      return;
+    }
     bool any_dense = false;
     for (const auto& c : by_worker) {
       any_dense = any_dense || !c.dense.empty();
-      if (c.present) record_staleness(s.version, c.pulled_version);
+      if (c.present && !c.empty) record_staleness(s.version, c.pulled_version);
     }
     if (any_dense) {
       // Sum in worker order; a worker that pushed rows only adds them where they are.
@@ -706,6 +717,35 @@ class Server final : public RequestHandler {
       apply_rows(s, sum, 1.0, step.step + 1);
     }
     s.pending.erase(it);
+  }
+
+  // A step() that pushed nothing to a shard still counts, as an empty
+  // contribution to the first step of that shard the worker is not yet in,
+  // for policies that count contributions (SyncReplicas): otherwise a shard
+  // that a worker's step skipped would wait for it (with M = N, for ever).
+  void count_empty_steps(std::size_t w) {
+    if constexpr (detail::counts_empty_steps<SyncStateT>) {
+      if (gone_[w] != Gone::no) return;
+      for (auto& per_var : shards_)
+        for (auto& sp : per_var) {
+          if (!sp) continue;
+          ShardState& s = *sp;
+          WorkerView& wv = s.workers[w];
+          if (std::exchange(wv.pushed_since_clock, false) || !s.var->trainable) continue;
+          std::uint64_t step = s.applied_steps;
+          for (auto it = s.pending.find(step); it != s.pending.end() && it->second[w].present;
+               it = s.pending.find(++step)) {
+          }
+          auto& by_worker = s.pending[step];
+          if (by_worker.empty()) by_worker.resize(clocks_.size());
+          by_worker[w].present = true;
+          by_worker[w].empty = true;
+          wv.has_pushed = true;
+          wv.pushed_step = step;
+        }
+    } else {
+      (void)w;
+    }
   }
 
   void tick_clock(const Request& r) {

@@ -157,7 +157,10 @@ static_assert(SyncPolicy<BoundedStaleness<2>>);
 //! (one that failed) is tolerated while M others remain; otherwise training
 //! fails with `psx::peer_lost`. Workers that finish and leave lower the
 //! requirement instead: a step also completes once every worker still
-//! training is in it, so unequal step counts end cleanly.
+//! training is in it, so unequal step counts end cleanly. A worker's
+//! `step()` that pushed nothing to a shard counts there as an empty
+//! contribution (in M and in the mean), so a sparse step that skips a shard
+//! never leaves that shard waiting for it.
 template <std::size_t M>
 struct SyncReplicas {
   static_assert(M >= 1, "SyncReplicas<M>: a step needs at least one gradient");
@@ -166,6 +169,9 @@ struct SyncReplicas {
 
   struct State {
     Aggregate aggregate;
+    // A step() that skipped a shard still counts there (else, with M = N, a
+    // shard that a worker's sparse step did not touch would wait for it).
+    static constexpr bool counts_empty_steps = true;
 
     PushAction on_push(const PushInfo& p, const ShardProgress& s, const ServerClock&) const {
       if (p.pulled_step < s.applied_steps) return {PushAction::Kind::drop, 1.0f, 0};

@@ -146,6 +146,36 @@ TEST_CASE("SyncReplicas: with one worker stalled forever every step still comple
   CHECK(ps.read("x") == std::vector<float>(6, 5.0f));  // 10 - 10 * 0.5 * mean(1, 1, 1)
 }
 
+TEST_CASE_TEMPLATE("SyncReplicas<N>: a step that skips a shard counts there as an empty contribution", T,
+                   psx::transport::InProcess, psx::transport::Simulated) {
+  // Each worker pushes rows of its own shard only: every shard hears from
+  // one worker per step, the other two only through their step(). Before
+  // empty contributions, this deadlocked (a sync_error on the simulated
+  // cluster, a hang in one process).
+  Watchdog dog("syncreplicas skipped shard");
+  psx::ParameterServer<psx::partition::RowRange, psx::sync::SyncReplicas<3>, psx::optim::SGD, T> ps({3, 3}, {}, {},
+                                                                                                     {1.5f});
+  ps.declare(psx::sparse("t", 9, 1, psx::Initializer::constant(10.0f)));
+  ps.run([](psx::Worker& w) {
+    const std::vector<std::uint64_t> mine{3 * w.index() + 1};
+    std::vector<float> row(1), g{1.0f};
+    for (int t = 0; t < 6; ++t) {
+      w.pull_rows("t", mine, row);
+      CHECK(row[0] == 10.0f - 0.5f * static_cast<float>(t));  // every step applied before the next pull
+      w.push_rows("t", mine, g);
+      w.step();
+    }
+  });
+  // Each step: the mean of one gradient and two empty contributions.
+  CHECK(ps.read("t") == std::vector<float>{10, 7, 10, 10, 7, 10, 10, 7, 10});
+  const psx::ServerStats st = ps.stats();
+  CHECK(st.steps == 3 * 6);
+  std::uint64_t applied = 0;
+  for (auto n : st.staleness) applied += n;
+  CHECK(applied == 3 * 6);  // the real gradients only
+  CHECK(st.dropped == 0);
+}
+
 TEST_CASE("SyncReplicas never applies a gradient that arrives after its step") {
   Watchdog dog("syncreplicas late");
   constexpr int kSteps = 12;
