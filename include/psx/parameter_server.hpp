@@ -111,6 +111,11 @@ class ParameterServer {
 
   //! The variable declared as `name`; throws `psx::unknown_variable`.
   const VariableInfo& variable(std::string_view name) const { return core_->find(name, "lookup", 0); }
+  //! What each server holds of the declared variables (with the
+  //! optimizer's slots): print it to see how even the placement is.
+  PlacementReport placement() const {
+    return placement_report(core_->variables, config().num_servers, optimizer_.slots());
+  }
   const std::vector<VariableInfo>& variables() const noexcept { return core_->variables; }
 
   //! Starts the servers: each builds and initializes its shards, then serves

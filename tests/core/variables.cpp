@@ -131,6 +131,79 @@ TEST_CASE("RowRange tiles the rows in nearly equal ranges") {
   CHECK(psx::partition::RowRange{.min_rows = 100}.place(meta("v", 250), 4).size() == 2);
 }
 
+namespace {
+psx::VariableMeta shaped(std::vector<std::size_t> shape, std::uint32_t id = 0, psx::DType dtype = psx::DType::float32) {
+  psx::VariableSpec spec = psx::dense("v", std::move(shape));
+  spec.dtype = dtype;
+  return psx::detail::make_meta(spec, id);
+}
+std::vector<std::size_t> sizes(const std::vector<psx::Shard>& shards) {
+  std::vector<std::size_t> n;
+  for (const auto& s : shards) n.push_back(s.rows());
+  return n;
+}
+}  // namespace
+
+TEST_CASE("FixedShards, MinSize and MaxSize shard as TensorFlow's partitioners do") {
+  using namespace psx::partition;
+  // fixed_size_partitioner(3) of 10 rows: slices of 4, 3, 3; dealt from id % servers on.
+  const auto fixed = FixedShards{3}.place(shaped({10, 4}, 1), 2);
+  CHECK(sizes(fixed) == std::vector<std::size_t>{4, 3, 3});
+  CHECK(fixed[0].server == 1);
+  CHECK(fixed[1].server == 0);
+  CHECK(fixed[2].server == 1);
+  CHECK(FixedShards{8}.place(shaped({5, 4}), 3).size() == 5);  // at most one shard per row
+  // min_max_variable_partitioner: the docstring's example, a float32 [1024, 1024] with 256 KiB slices.
+  CHECK(MinSize{.max_shards = 16}.place(shaped({1024, 1024}), 4).size() == 16);
+  CHECK(MinSize{.max_shards = 100}.place(shaped({1024, 1024}), 4).size() == 16);
+  CHECK(MinSize{.max_shards = 8}.place(shaped({1024, 1024}), 4).size() == 8);
+  CHECK(MinSize{.max_shards = 100}.place(shaped({1024, 1024}, 0, psx::DType::bfloat16), 4).size() == 8);
+  CHECK(MinSize{.max_shards = 100}.place(shaped({10, 4}), 4).size() == 1);           // 160 B: one shard
+  CHECK(MinSize{.max_shards = 100, .min_shard_bytes = 1}.place(shaped({3, 4}), 4).size() == 3);  // one per row
+  // variable_axis_size_partitioner: 1000 rows of 256 B; 64 KiB shards hold 256 rows.
+  CHECK(sizes(MaxSize{.max_shard_bytes = 64 << 10}.place(shaped({1000, 64}), 4)) ==
+        std::vector<std::size_t>{250, 250, 250, 250});
+  CHECK(MaxSize{.max_shard_bytes = (64 << 10) + 255}.place(shaped({1000, 64}), 4).size() == 4);
+  CHECK(MaxSize{.max_shard_bytes = 64 << 10, .max_shards = 3}.place(shaped({1000, 64}), 4).size() == 3);
+  CHECK(MaxSize{.max_shard_bytes = 100}.place(shaped({1000, 64}), 4).size() == 1000);  // a row is bigger: one each
+  CHECK(MaxSize{.max_shard_bytes = 1 << 30}.place(shaped({1000, 64}), 4).size() == 1);
+  // Every placement tiles the rows, for any shape and server count.
+  std::mt19937_64 rng(9);
+  for (int k = 0; k < 300; ++k) {
+    const std::size_t rows = 1 + rng() % 5000, width = 1 + rng() % 300, servers = 1 + rng() % 9;
+    const auto m = shaped({rows, width}, static_cast<std::uint32_t>(rng() % 7));
+    CHECK_NOTHROW(psx::detail::check_placement(m, FixedShards{1 + rng() % 20}.place(m, servers), servers));
+    CHECK_NOTHROW(psx::detail::check_placement(
+        m, MinSize{.max_shards = 1 + rng() % 20, .min_shard_bytes = 1 + rng() % (1 << 20)}.place(m, servers), servers));
+    CHECK_NOTHROW(psx::detail::check_placement(
+        m, MaxSize{.max_shard_bytes = 1 + rng() % (1 << 20), .max_shards = rng() % 4}.place(m, servers), servers));
+  }
+  CHECK_THROWS_AS(FixedShards{0}.place(shaped({4}), 1), psx::config_error);
+  CHECK_THROWS_AS(MinSize{.min_shard_bytes = 0}.place(shaped({4}), 1), psx::config_error);
+  CHECK_THROWS_AS(MaxSize{.max_shard_bytes = 0}.place(shaped({4}), 1), psx::config_error);
+}
+
+TEST_CASE("a placement report gives each server's bytes and the balance") {
+  psx::ParameterServer<psx::partition::FixedShards, psx::sync::Asynchronous, psx::optim::Adam> ps(
+      {3, 1}, psx::partition::FixedShards{2});
+  ps.declare(psx::dense("big", {1000, 256}));  // 2 shards of 500 rows: servers 0 and 1
+  ps.declare(psx::dense("small", {10, 256}));  // 2 shards of 5 rows: servers 1 and 2
+  const psx::PlacementReport r = ps.placement();
+  const std::uint64_t row = 256 * 4 * 3;  // Adam: parameters and 2 slots
+  CHECK(r.bytes == std::vector<std::uint64_t>{500 * row, 505 * row, 5 * row});
+  CHECK(r.shards == std::vector<std::size_t>{1, 2, 1});
+  CHECK(r.max_over_mean() == doctest::Approx(505.0 / (1010.0 / 3)));
+  std::ostringstream os;
+  os << r;
+  CHECK(os.str() ==
+        "server 0: 1 shards, 1.46 MiB\nserver 1: 2 shards, 1.48 MiB\nserver 2: 1 shards, 0.01 MiB\n"
+        "max/mean bytes per server: 1.50");
+  // HashByName ignores sizes: a report shows it.
+  psx::ParameterServer<> hashed({4, 1});
+  hashed.declare(psx::dense("big", {1000, 256}));
+  CHECK(hashed.placement().max_over_mean() == doctest::Approx(4.0));
+}
+
 TEST_CASE("placements that do not tile the rows are refused") {
   const auto m = meta("w", 10);
   auto msg = [&](std::vector<psx::Shard> shards) {
