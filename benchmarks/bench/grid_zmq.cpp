@@ -43,21 +43,10 @@ class TempDir {
   fs::path path;
 };
 
-ClusterSpec spec(std::size_t ps, std::size_t workers, bool ipc, const fs::path& dir) {
-  ClusterSpec c;
-  for (std::size_t s = 0; s < ps; ++s)
-    c.ps.push_back(ipc ? "ipc://" + (dir / ("ps-sock-" + std::to_string(s))).string() : "127.0.0.1:0");
-  for (std::size_t w = 0; w < workers; ++w) {
-    const std::string a = ipc ? "ipc://" + (dir / ("worker-sock-" + std::to_string(w))).string() : "127.0.0.1:0";
-    (w == 0 ? c.chief : c.worker).push_back(a);
-  }
-  return c;
-}
-
 template <class P, class S>
 std::vector<psx::ServerStats> run_zmq(const ClusterSetup& c, const WorkerFn& fn) {
   TempDir dir;
-  const ClusterSpec cluster_spec = spec(c.servers, c.workers, c.zmq_ipc, dir.path);
+  const ClusterSpec cluster_spec = ClusterSpec::local(c.servers, c.workers, c.zmq_ipc ? dir.path : fs::path());
   // A peer timeout only so that a task that dies cannot leave the others
   // waiting forever; it is far above any step of the workloads.
   const psx::ClusterConfig config{c.servers, c.workers, std::chrono::milliseconds(20000)};

@@ -106,6 +106,19 @@ TEST_CASE("cluster_spec: to_json is TensorFlow's layout and parses back equal") 
                         c.to_json());
 }
 
+TEST_CASE("cluster_spec: local clusters over tcp port 0 or ipc sockets in a directory") {
+  const ClusterSpec tcp = ClusterSpec::local(2, 3);
+  CHECK(tcp.ps == std::vector<std::string>{"127.0.0.1:0", "127.0.0.1:0"});
+  CHECK(tcp.chief == std::vector<std::string>{"127.0.0.1:0"});
+  CHECK(tcp.worker.size() == 2);
+  CHECK(tcp.num_workers() == 3);
+  const ClusterSpec ipc = ClusterSpec::local(1, 2, "/run/x");
+  CHECK(ipc.ps == std::vector<std::string>{"ipc:///run/x/ps-sock-0"});
+  CHECK(ipc.chief == std::vector<std::string>{"ipc:///run/x/worker-sock-0"});
+  CHECK(ipc.worker == std::vector<std::string>{"ipc:///run/x/worker-sock-1"});
+  CHECK(ClusterSpec::local(1, 0).num_workers() == 0);
+}
+
 TEST_CASE("cluster_spec: psx worker indices: the chief is 0, then TensorFlow's workers") {
   CHECK(TfConfig::parse(with_task(R"({"type": "chief", "index": 0})")).worker_index() == 0);
   CHECK(TfConfig::parse(with_task(R"({"type": "worker", "index": 0})")).worker_index() == 1);

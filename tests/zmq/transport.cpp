@@ -37,14 +37,7 @@ using psx_test::TempDir;
 // A cluster of `ps` servers and `workers` workers (the first the chief):
 // tcp on loopback with ephemeral ports, or ipc in `dir`.
 ClusterSpec spec(std::size_t ps, std::size_t workers, bool ipc, const fs::path& dir) {
-  ClusterSpec c;
-  for (std::size_t s = 0; s < ps; ++s)
-    c.ps.push_back(ipc ? "ipc://" + (dir / ("ps-sock-" + std::to_string(s))).string() : "127.0.0.1:0");
-  for (std::size_t w = 0; w < workers; ++w) {
-    const std::string a = ipc ? "ipc://" + (dir / ("worker-sock-" + std::to_string(w))).string() : "127.0.0.1:0";
-    (w == 0 ? c.chief : c.worker).push_back(a);
-  }
-  return c;
+  return ClusterSpec::local(ps, workers, ipc ? dir : fs::path());
 }
 
 // A tcp endpoint on loopback that nothing listens on now: the system's pick

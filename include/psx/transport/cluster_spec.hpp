@@ -203,6 +203,22 @@ struct ClusterSpec {
   //! The parameter servers, in order.
   std::vector<std::string> ps;
 
+  //! A cluster of `ps` servers and `workers` workers (the first the chief)
+  //! on this host: tcp on 127.0.0.1 with ephemeral ports (port 0: set
+  //! `Zmq::rendezvous` to a directory the tasks share), or, when `ipc_dir`
+  //! is given, ipc sockets in that directory (`ps-sock-<s>`,
+  //! `worker-sock-<w>`). For tests, benchmarks and one-host runs.
+  static ClusterSpec local(std::size_t ps, std::size_t workers, const std::filesystem::path& ipc_dir = {}) {
+    ClusterSpec c;
+    auto address = [&](const std::string& name) {
+      return ipc_dir.empty() ? std::string("127.0.0.1:0") : "ipc://" + (ipc_dir / name).string();
+    };
+    for (std::size_t s = 0; s < ps; ++s) c.ps.push_back(address("ps-sock-" + std::to_string(s)));
+    for (std::size_t w = 0; w < workers; ++w)
+      (w == 0 ? c.chief : c.worker).push_back(address("worker-sock-" + std::to_string(w)));
+    return c;
+  }
+
   //! Number of psx workers: the chief (if any) and TensorFlow's workers.
   std::size_t num_workers() const noexcept { return chief.size() + worker.size(); }
   //! Number of psx servers: TensorFlow's ps tasks.
