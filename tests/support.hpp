@@ -4,7 +4,9 @@
 #include <doctest/doctest.h>
 
 #include <chrono>
+#include <cmath>
 #include <condition_variable>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -12,8 +14,33 @@
 #include <string>
 #include <system_error>
 #include <thread>
+#include <vector>
 
 namespace psx_test {
+
+// A gradient that depends on the value pulled, the worker, the step and the
+// element (toy_step's usual `grad`).
+inline float toy_grad(float value, std::size_t worker, std::size_t step, std::size_t i) {
+  return std::sin(value * static_cast<float>(worker + 1) + static_cast<float>(step) * 0.37f +
+                  static_cast<float>(i) * 0.11f);
+}
+
+// One step of the tests' toy model: pulls dense "w" (`w_size` floats) and
+// the rows `ids` of sparse "emb" (`dim` wide), pushes for each value read
+// `grad(value, worker, step, index)`, then steps. A gradient that depends
+// on every value read makes any difference in what a worker reads show.
+template <class Worker, class Grad>
+void toy_step(Worker& w, std::size_t t, const std::vector<std::uint64_t>& ids, std::size_t w_size, std::size_t dim,
+              Grad grad) {
+  std::vector<float> wv(w_size), gw(w_size), rows(ids.size() * dim), grows(ids.size() * dim);
+  w.pull("w", wv);
+  w.pull_rows("emb", ids, rows);
+  for (std::size_t i = 0; i < wv.size(); ++i) gw[i] = grad(wv[i], w.index(), t, i);
+  for (std::size_t i = 0; i < rows.size(); ++i) grows[i] = grad(rows[i], w.index(), t, i);
+  w.push("w", gw);
+  w.push_rows("emb", ids, grows);
+  w.step();
+}
 
 // Aborts the whole test binary if the scope is not left within `limit`:
 // a test that hangs fails loudly instead of stalling CI.

@@ -41,16 +41,7 @@ std::vector<std::uint64_t> batch_ids(std::size_t worker, std::uint64_t t) {
 
 void train_step(psx::Worker& w) {
   const std::uint64_t t = w.clock();
-  std::vector<float> wv(kRows * kCols), gw(kRows * kCols);
-  const auto ids = batch_ids(w.index(), t);
-  std::vector<float> rows(ids.size() * kDim), grows(ids.size() * kDim);
-  w.pull("w", wv);
-  w.pull_rows("emb", ids, rows);
-  for (std::size_t i = 0; i < wv.size(); ++i) gw[i] = grad(wv[i], w.index(), t, i);
-  for (std::size_t i = 0; i < rows.size(); ++i) grows[i] = grad(rows[i], w.index(), t, i);
-  w.push("w", gw);
-  w.push_rows("emb", ids, grows);
-  w.step();
+  psx_test::toy_step(w, t, batch_ids(w.index(), t), kRows * kCols, kDim, grad);
 }
 
 template <class PS>

@@ -28,12 +28,8 @@ constexpr std::size_t kTable = 50, kDim = 4;   // sparse "emb"
 constexpr std::size_t kBatch = 9;              // ids per worker per step, with repeats
 constexpr float kLr = 0.05f;
 
-// A gradient that depends on the value pulled, the worker, the step and the
-// element, so any difference in what a worker reads shows in the result.
-float grad(float value, std::size_t worker, std::size_t step, std::size_t i) {
-  return std::sin(value * static_cast<float>(worker + 1) + static_cast<float>(step) * 0.37f +
-                  static_cast<float>(i) * 0.11f);
-}
+// Any difference in what a worker reads shows in the result.
+const auto grad = psx_test::toy_grad;
 
 // The ids worker `w` touches at step `t`: seeded, with repeats.
 std::vector<std::uint64_t> batch_ids(std::size_t w, std::size_t t) {
@@ -48,16 +44,7 @@ psx::VariableSpec dense_w() { return psx::dense("w", {kRows, kCols}, psx::Initia
 psx::VariableSpec sparse_emb() { return psx::sparse("emb", kTable, kDim, psx::Initializer::uniform(-1, 1, 12)); }
 
 void train_step(psx::Worker& w, std::size_t t) {
-  std::vector<float> wv(kRows * kCols), gw(kRows * kCols);
-  const auto ids = batch_ids(w.index(), t);
-  std::vector<float> rows(ids.size() * kDim), grows(ids.size() * kDim);
-  w.pull("w", wv);
-  w.pull_rows("emb", ids, rows);
-  for (std::size_t i = 0; i < wv.size(); ++i) gw[i] = grad(wv[i], w.index(), t, i);
-  for (std::size_t i = 0; i < rows.size(); ++i) grows[i] = grad(rows[i], w.index(), t, i);
-  w.push("w", gw);
-  w.push_rows("emb", ids, grows);
-  w.step();
+  psx_test::toy_step(w, t, batch_ids(w.index(), t), kRows * kCols, kDim, grad);
 }
 
 // One process doing SGD on the summed (or averaged) gradients of the same

@@ -23,11 +23,6 @@ constexpr std::size_t kRows = 12, kCols = 5;  // dense "w"
 constexpr std::size_t kTable = 40, kDim = 4;  // sparse "emb"
 constexpr float kLr = 0.05f;
 
-float grad(float value, std::size_t worker, std::size_t step, std::size_t i) {
-  return std::sin(value * static_cast<float>(worker + 1) + static_cast<float>(step) * 0.37f +
-                  static_cast<float>(i) * 0.11f);
-}
-
 std::vector<std::uint64_t> batch_ids(std::size_t w, std::size_t t) {
   std::mt19937_64 rng(1000 * w + t);
   std::vector<std::uint64_t> ids(7);
@@ -41,22 +36,13 @@ void declare(auto& ps) {
   ps.declare(psx::sparse("emb", kTable, kDim, psx::Initializer::uniform(-1, 1, 12)));
 }
 
-// Workers take `steps` steps; worker w takes `steps - w % 3` under
-// policies that let them differ.
+// Every worker takes `steps` steps.
 void train(psx::Worker& w, std::size_t steps) {
-  std::vector<float> wv(kRows * kCols), gw(kRows * kCols);
-  for (std::size_t t = 0; t < steps; ++t) {
-    const auto ids = batch_ids(w.index(), t);
-    std::vector<float> rows(ids.size() * kDim), grows(ids.size() * kDim);
-    w.pull("w", wv);
-    w.pull_rows("emb", ids, rows);
-    for (std::size_t i = 0; i < wv.size(); ++i) gw[i] = grad(wv[i], w.index(), t, i);
-    for (std::size_t i = 0; i < rows.size(); ++i) grows[i] = grad(rows[i], w.index(), t, i);
-    w.push("w", gw);
-    w.push_rows("emb", ids, grows);
-    w.step();
-  }
+  for (std::size_t t = 0; t < steps; ++t) psx_test::toy_step(w, t, batch_ids(w.index(), t), kRows * kCols, kDim, psx_test::toy_grad);
 }
+
+using SimBsp = psx::ParameterServer<psx::partition::RoundRobin, psx::sync::Synchronous, psx::optim::SGD,
+                                    psx::transport::Simulated>;
 
 bool bit_equal(const std::vector<float>& a, const std::vector<float>& b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
@@ -193,9 +179,7 @@ TEST_CASE("64 workers and 256 workers run in simulated time") {
 TEST_CASE("a simulated cluster that can never move again fails every waiting call with sync_error") {
   Watchdog dog("simulated deadlock");
   psx::transport::Simulated sim;
-  psx::ParameterServer<psx::partition::RoundRobin, psx::sync::Synchronous, psx::optim::SGD,
-                       psx::transport::Simulated>
-      ps({2, 2}, {}, {}, {}, sim);
+  SimBsp ps({2, 2}, {}, {}, {}, sim);
   ps.declare(psx::dense("v", {4}, psx::Initializer::zeros()));
   // Worker 0 waits at a barrier for worker 1, which waits in a pull for
   // worker 0's step: in one process this hangs forever.
@@ -217,9 +201,7 @@ TEST_CASE("a simulated cluster that can never move again fails every waiting cal
 TEST_CASE("a worker that throws in a simulated cluster is lost like in one process") {
   Watchdog dog("simulated worker failure");
   psx::transport::Simulated sim;
-  psx::ParameterServer<psx::partition::RoundRobin, psx::sync::Synchronous, psx::optim::SGD,
-                       psx::transport::Simulated>
-      ps({2, 3}, {}, {}, {}, sim);
+  SimBsp ps({2, 3}, {}, {}, {}, sim);
   ps.declare(psx::dense("v", {4}, psx::Initializer::zeros()));
   CHECK_THROWS_WITH_AS(ps.run([](psx::Worker& w) {
     std::vector<float> v(4), g(4, 1.0f);
@@ -234,8 +216,7 @@ TEST_CASE("a worker that throws in a simulated cluster is lost like in one proce
 }
 
 TEST_CASE("the simulated transport refuses settings it cannot honour") {
-  using PS = psx::ParameterServer<psx::partition::RoundRobin, psx::sync::Synchronous, psx::optim::SGD,
-                                  psx::transport::Simulated>;
+  using PS = SimBsp;
   {
     PS ps({.num_servers = 1, .num_workers = 1, .peer_timeout = std::chrono::milliseconds(100)}, {}, {}, {},
           psx::transport::Simulated{});
@@ -270,9 +251,7 @@ TEST_CASE("the simulated transport refuses settings it cannot honour") {
 TEST_CASE("shutting a simulated cluster down releases its waiting workers") {
   Watchdog dog("simulated shutdown");
   psx::transport::Simulated sim;
-  psx::ParameterServer<psx::partition::RoundRobin, psx::sync::Synchronous, psx::optim::SGD,
-                       psx::transport::Simulated>
-      ps({1, 2}, {}, {}, {}, sim);
+  SimBsp ps({1, 2}, {}, {}, {}, sim);
   ps.declare(psx::dense("v", {4}, psx::Initializer::zeros()));
   ps.start();
   // Worker 1 is driven from a thread the link does not know of: worker 0's
