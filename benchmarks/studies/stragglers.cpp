@@ -54,13 +54,8 @@ constexpr std::size_t kBatch = 32;
 constexpr double kStepSeconds = 5e-3;
 constexpr double kStragglerProbability = 0.05;
 
-std::uint64_t mix(std::uint64_t z) {
-  z += 0x9e3779b97f4a7c15ull;
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
-}
-double uniform(std::uint64_t key) { return static_cast<double>(mix(key) >> 11) * 0x1.0p-53; }
+using psx::detail::mix64;
+double uniform(std::uint64_t key) { return static_cast<double>(mix64(key) >> 11) * 0x1.0p-53; }
 float gaussian(std::uint64_t key) {
   const double u1 = uniform(2 * key), u2 = uniform(2 * key + 1);
   return static_cast<float>(std::sqrt(-2.0 * std::log1p(-u1)) * std::cos(6.283185307179586 * u2));
@@ -158,7 +153,7 @@ Result train(const Data& data, const Study& st, Sync sync, double severity) {
       }
       std::fill(g.begin(), g.end(), 0.0f);
       for (std::size_t b = 0; b < kBatch; ++b) {
-        const std::size_t i = mix((st.seed << 48) ^ (w.index() << 32) ^ (t * kBatch + b)) % kTrain;
+        const std::size_t i = mix64((st.seed << 48) ^ (w.index() << 32) ^ (t * kBatch + b)) % kTrain;
         const auto x = data.row(i);
         const double p = 1.0 / (1.0 + std::exp(-dot(x, wv)));
         const float c = static_cast<float>((p - data.y[i]) / kBatch);

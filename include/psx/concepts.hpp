@@ -247,8 +247,6 @@ concept has_on_worker_lost = requires(const St& st, std::size_t worker, const Se
 template <class S>
 concept has_make_state = requires(const S& s, std::size_t num_workers) { s.make_state(num_workers); };
 
-// Optional: delay compensation (DC-ASGD). A state that provides both keeps,
-// per worker, a copy of the parameters it last pulled.
 // Optional: a step() that pushed nothing to a shard counts as an empty
 // contribution to that shard's next step (SyncReplicas).
 template <class St>
@@ -256,6 +254,8 @@ concept counts_empty_steps = requires {
   { St::counts_empty_steps } -> std::convertible_to<bool>;
 } && St::counts_empty_steps;
 
+// Optional: delay compensation (DC-ASGD). A state that provides both keeps,
+// per worker, a copy of the parameters it last pulled.
 template <class St>
 concept has_compensation = requires(const St& st, const VariableMeta& v, std::span<float> g,
                                     std::span<const float> now, std::span<const float> pulled) {

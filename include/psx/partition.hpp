@@ -85,7 +85,6 @@ struct RowRange {
 };
 static_assert(Partitioner<RowRange>);
 
-
 //! Exactly `shards` row ranges per variable (fewer when it has fewer rows),
 //! dealt to servers from `id % num_servers` on: TensorFlow's
 //! `fixed_size_partitioner(num_shards)`. Shards may outnumber servers.

@@ -29,6 +29,7 @@
 #pragma once
 
 #include <psx/concepts.hpp>
+#include <psx/detail/hash.hpp>
 #include <psx/errors.hpp>
 #include <psx/message.hpp>
 
@@ -179,16 +180,13 @@ struct Simulated {
   //! Worker `w`'s compute seconds for step `step` under this model.
   double compute_seconds(std::size_t w, std::uint64_t step, std::size_t num_workers) const noexcept {
     const ComputeModel& c = compute;
-    std::uint64_t state = seed ^ (0x9e3779b97f4a7c15ull * (w + 1)) ^ (0xc2b2ae3d27d4eb4full * (step + 1));
-    auto uniform = [&] {  // splitmix64, 53 bits: in [0, 1)
-      std::uint64_t z = (state += 0x9e3779b97f4a7c15ull);
-      z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-      z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-      z ^= z >> 31;
-      return static_cast<double>(z >> 11) * 0x1.0p-53;
+    // Draw k is the k-th output of a splitmix64 stream seeded by (seed, w, step).
+    const std::uint64_t state = seed ^ (0x9e3779b97f4a7c15ull * (w + 1)) ^ (0xc2b2ae3d27d4eb4full * (step + 1));
+    auto uniform = [&](std::uint64_t k) {  // 53 bits: in [0, 1)
+      return static_cast<double>(detail::mix64(state + k * 0x9e3779b97f4a7c15ull) >> 11) * 0x1.0p-53;
     };
     double t = c.step_seconds;
-    const double u1 = uniform(), u2 = uniform(), u3 = uniform();
+    const double u1 = uniform(0), u2 = uniform(1), u3 = uniform(2);
     if (c.jitter > 0) {
       const double z = std::sqrt(-2.0 * std::log1p(-u1)) * std::cos(2 * std::numbers::pi * u2);
       t *= std::exp(c.jitter * z - 0.5 * c.jitter * c.jitter);
@@ -379,7 +377,7 @@ class Simulated::link_type {
       --computing_;
       ++waiting_;
     }
-    Waiter me{&done, ws};
+    Waiter me{ws};
     waiters_.emplace(&done, &me);
     std::exception_ptr error;
     while (!done.ready() && !me.woken) {
@@ -459,8 +457,7 @@ class Simulated::link_type {
     }
   };
   struct Waiter {
-    Waiter(Completion* d, WorkerState* w) noexcept : done(d), worker(w) {}
-    Completion* done;
+    explicit Waiter(WorkerState* w) noexcept : worker(w) {}
     WorkerState* worker;  // null: not a computing worker when it began to wait
     bool woken = false;
     std::condition_variable cv;
@@ -500,6 +497,22 @@ class Simulated::link_type {
     push(std::move(e));
   }
 
+  // A message of `bytes` that reached `node` now is through its link at the
+  // returned time (after whatever arrived before it).
+  double received(std::uint32_t node, std::size_t bytes) noexcept {
+    Node& n = nodes_[node];
+    n.ingress_free = std::max(now_, n.ingress_free) + wire_seconds(bytes);
+    return n.ingress_free;
+  }
+
+  // Server `s` handles `bytes` of payload from `t` on (after what it was
+  // busy with); returns when it is done. Free without server_bandwidth.
+  double server_works(std::size_t s, double t, std::size_t bytes) noexcept {
+    if (model_.server_bandwidth <= 0) return t;
+    server_busy_[s] = std::max(t, server_busy_[s]) + static_cast<double>(bytes) / model_.server_bandwidth;
+    return server_busy_[s];
+  }
+
   void push(Event&& e) {
     events_.push_back(std::move(e));
     std::push_heap(events_.begin(), events_.end(), Later{});
@@ -507,9 +520,9 @@ class Simulated::link_type {
 
   // An event may run when no computing worker can still send one before it:
   // a worker's next message leaves at its clock or later and arrives
-  // `latency` after that.
-  // `horizon_` is a lower bound of the computing workers' clocks (they only
-  // grow while computing), looked at again only when it is in the way.
+  // `latency` after that. `horizon_` is a lower bound of the computing
+  // workers' clocks (they only grow while computing), looked at again only
+  // when it is in the way.
   bool may_run(const Event& e) noexcept {
     if (computing_ == 0 || e.time < horizon_ + model_.network.latency) return true;
     horizon_ = std::numeric_limits<double>::infinity();
@@ -542,30 +555,19 @@ class Simulated::link_type {
       ++events;
     });
     switch (e.kind) {
-      case Kind::to_server: {  // queue at the server's link, then (maybe) for the server itself
-        Node& n = nodes_[server_node(e.dst)];
-        n.ingress_free = std::max(now_, n.ingress_free) + wire_seconds(e.bytes);
-        double at = n.ingress_free;
-        if (model_.server_bandwidth > 0) {
-          at = std::max(at, server_busy_[e.dst]) + static_cast<double>(e.bytes) / model_.server_bandwidth;
-          server_busy_[e.dst] = at;
-        }
+      case Kind::to_server:  // queue at the server's link, then for the server itself
         e.kind = Kind::deliver;
-        e.time = at;
+        e.time = server_works(e.dst, received(server_node(e.dst), e.bytes), e.bytes);
         push(std::move(e));
         break;
-      }
       case Kind::deliver:
         deliver(std::move(e));
         break;
-      case Kind::to_worker: {
-        Node& n = nodes_[worker_node(e.dst)];
-        n.ingress_free = std::max(now_, n.ingress_free) + wire_seconds(e.bytes);
+      case Kind::to_worker:
         e.kind = Kind::answer;
-        e.time = n.ingress_free;
+        e.time = received(worker_node(e.dst), e.bytes);
         push(std::move(e));
         break;
-      }
       case Kind::answer:
         e.original->finish(std::move(e.error));
         if (e.original->ready()) wake(e.original);
@@ -608,12 +610,8 @@ class Simulated::link_type {
     e.original = std::move(original);
     e.error = std::move(error);
     // The server copies the answer's parameters out before it leaves.
-    double t = now_;
-    if (model_.server_bandwidth > 0 && bytes > model_.network.header_bytes) {
-      t = std::max(t, server_busy_[server]) +
-          static_cast<double>(bytes - model_.network.header_bytes) / model_.server_bandwidth;
-      server_busy_[server] = t;
-    }
+    const std::size_t header = model_.network.header_bytes;
+    const double t = bytes > header ? server_works(server, now_, bytes - header) : now_;
     transfer(server_node(server), std::move(e), t);
   }
 
