@@ -650,6 +650,12 @@ std::filesystem::path export_model(const PS&, Worker& w, const ExportOptions& op
     std::vector<detail::exports::Source> sources;
     for (const VariableInfo& v : ::psx::detail::WorkerAccess::variables(w)) {
       if (!options.variables.empty() && !detail::exports::matches(options.variables, v.meta.name)) continue;
+      if (v.meta.kind == VariableKind::dynamic) {
+        // Unbounded rows: ParameterServer::export_table exports them (full, then deltas).
+        if (options.variables.empty()) continue;
+        throw config_error("psx: export of '" + v.meta.name + "', a dynamic table: export its rows with "
+                           "ParameterServer::export_table");
+      }
       detail::exports::Source s{v.meta.name, {v.meta.shape.begin(), v.meta.shape.end()}, v.trainable,
                                 std::vector<float>(v.meta.size())};
       ::psx::detail::WorkerAccess::read(w, v.meta.name, s.values);

@@ -5,6 +5,7 @@
 
 #include <psx/cluster.hpp>
 #include <psx/concepts.hpp>
+#include <psx/embedding.hpp>
 #include <psx/errors.hpp>
 #include <psx/optim.hpp>
 #include <psx/partition.hpp>
@@ -101,8 +102,12 @@ class ParameterServer {
     info.meta = detail::make_meta(spec, static_cast<std::uint32_t>(core_->variables.size()));
     info.init = spec.init;
     info.trainable = spec.trainable;
-    info.shards = partitioner_.place(info.meta, config().num_servers);
-    detail::check_placement(info.meta, info.shards, config().num_servers);
+    if (info.meta.kind == VariableKind::dynamic) {
+      place_table(info, spec.table);
+    } else {
+      info.shards = partitioner_.place(info.meta, config().num_servers);
+      detail::check_placement(info.meta, info.shards, config().num_servers);
+    }
     validate_optimizer(optimizer_, info.meta, info.shards.size());
     core_->by_name.emplace(info.meta.name, info.meta.id);
     core_->variables.push_back(std::move(info));
@@ -113,8 +118,51 @@ class ParameterServer {
   const VariableInfo& variable(std::string_view name) const { return core_->find(name, "lookup", 0); }
   //! What each server holds of the declared variables (with the
   //! optimizer's slots): print it to see how even the placement is.
+  //! Dynamic tables count with the bytes their servers in this process hold now.
   PlacementReport placement() const {
-    return placement_report(core_->variables, config().num_servers, optimizer_.slots());
+    PlacementReport r = placement_report(core_->variables, config().num_servers, optimizer_.slots());
+    std::lock_guard lock(link_mu_);
+    for (const VariableInfo& v : core_->variables)
+      for (std::size_t s = 0; v.meta.kind == VariableKind::dynamic && s < servers_.size(); ++s)
+        if (servers_[s])
+          if (const auto* t = servers_[s]->table(v.meta.id)) r.bytes[s] += t->stats().bytes;
+    return r;
+  }
+
+  //! What each server holds of dynamic table `name` (index = server), read
+  //! while training runs (every request sent before the call, such as the
+  //! last steps of a `run()` that returned, is applied first). Throws unknown_variable, config_error for another
+  //! kind of variable, before `start()`, or for a server of another process.
+  std::vector<TableStats> table_stats(std::string_view name) {
+    std::vector<TableStats> out;
+    for_each_table(name, "table_stats", [&](const auto& t) { out.push_back(t.stats()); });
+    return out;
+  }
+
+  //! The rows of dynamic table `name`: every stored row (`since` empty), or
+  //! a delta: the rows changed and the ids removed after `since` (the
+  //! `cursor` of the export before it). Safe while training runs (a row
+  //! changed meanwhile is in this export or the next delta); taken when the
+  //! servers are idle, a full export plus its deltas equals a full export.
+  //! Throws as `table_stats`, and checkpoint_error for a delta older than
+  //! the removals a server remembers (`TableOptions::removal_log_limit`).
+  TableExport export_table(std::string_view name, const std::vector<std::uint64_t>& since = {}) {
+    const VariableInfo& v = variable(name);
+    if (!since.empty() && since.size() != config().num_servers)
+      throw config_error("psx: export_table('" + v.meta.name + "'): a cursor of " + std::to_string(since.size()) +
+                         " versions for " + std::to_string(config().num_servers) + " servers");
+    TableExport out;
+    out.dim = v.meta.row_width;
+    std::size_t s = 0;
+    for_each_table(name, "export_table", [&](const auto& t) {
+      TableExport part = since.empty() ? t.export_rows() : t.export_rows(since[s]);
+      ++s;
+      out.cursor.push_back(part.cursor.front());
+      out.ids.insert(out.ids.end(), part.ids.begin(), part.ids.end());
+      out.values.insert(out.values.end(), part.values.begin(), part.values.end());
+      out.removed.insert(out.removed.end(), part.removed.begin(), part.removed.end());
+    });
+    return out;
   }
   const std::vector<VariableInfo>& variables() const noexcept { return core_->variables; }
 
@@ -340,6 +388,73 @@ class ParameterServer {
       return link.local_worker(w);
     else
       return true;
+  }
+
+  // A dynamic table: shard k on server k, ids by a consistent-hash ring.
+  void place_table(VariableInfo& info, const TableOptions& options) const {
+    const std::size_t n = config().num_servers;
+    if (!accepts_rows<O>())
+      throw config_error("psx: dynamic table '" + info.meta.name + "': the optimizer does not apply row pushes");
+    const std::uint64_t minimum = detail::table_minimum_bytes(info.meta.row_width, optimizer_.slots(), options);
+    if (options.memory_cap_bytes != 0 && options.memory_cap_bytes < minimum)
+      throw config_error("psx: dynamic table '" + info.meta.name + "': memory_cap_bytes " +
+                         std::to_string(options.memory_cap_bytes) + " is below its minimum of " +
+                         std::to_string(minimum) + " per server");
+    info.table = options;
+    info.ring = detail::HashRing(n, options.virtual_nodes);
+    for (std::size_t k = 0; k < n; ++k) info.shards.push_back({k, 0, 0});
+  }
+
+  // A round trip to every server: each handles its requests in order, so
+  // what was sent before (a worker's last push and its leave, which run()
+  // does not wait for) has been applied when this returns.
+  // (An inspection request, sent under the first local worker's index
+  // without its clock, which only that worker's thread may read.)
+  void settle() {
+    if (!running()) return;
+    const std::vector<std::size_t> local = local_workers();
+    if (local.empty()) return;
+    const std::size_t n = config().num_servers;
+    std::vector<std::vector<float>> answers(n, std::vector<float>(detail::stats_floats));
+    auto done = std::make_shared<Completion>(n);
+    std::size_t sent = 0;
+    try {
+      for (; sent < n; ++sent) {
+        Request r;
+        r.op = Op::stats;
+        r.worker = static_cast<std::uint32_t>(local.front());
+        r.items.resize(1);
+        r.items[0].out = answers[sent];
+        r.done = done;
+        core_->send(sent, std::move(r));
+      }
+    } catch (...) {  // shut down meanwhile: the servers stopped, nothing is in flight
+      for (; sent < n; ++sent) done->finish();
+    }
+    try {
+      core_->wait(local.front(), *done);
+    } catch (...) {  // a server that failed or stopped: the tables are read as they are
+    }
+  }
+
+  // Calls `fn(table)` for each server's part of dynamic table `name`, in server order.
+  template <class F>
+  void for_each_table(std::string_view name, const char* verb, F&& fn) {
+    const VariableInfo& v = variable(name);
+    settle();
+    if (v.meta.kind != VariableKind::dynamic)
+      throw config_error(std::string("psx: ") + verb + "('" + v.meta.name + "'): a " +
+                         (v.meta.kind == VariableKind::dense ? "dense" : "sparse") + " variable, not a dynamic table");
+    std::lock_guard lock(link_mu_);
+    if (servers_.empty()) throw config_error(std::string("psx: ") + verb + "('" + v.meta.name + "') before start()");
+    for (std::size_t s = 0; s < servers_.size(); ++s) {
+      if (!servers_[s])
+        throw config_error(std::string("psx: ") + verb + "('" + v.meta.name + "'): server " + std::to_string(s) +
+                           " runs in another process");
+      const auto* table = servers_[s]->table(v.meta.id);
+      if (!table) throw config_error(std::string("psx: ") + verb + "('" + v.meta.name + "'): server " + std::to_string(s) + " holds no part of it");
+      fn(*table);
+    }
   }
 
   void shutdown_link() noexcept {

@@ -148,6 +148,35 @@ struct MaxSize {
 };
 static_assert(Partitioner<MaxSize>);
 
+//! Consistent hashing with virtual nodes (Karger et al. 1997): every server
+//! holds `virtual_nodes` points of a 64-bit ring, and each variable lives
+//! whole on the owner of the first point at or after the hash of its name.
+//! A server's points depend only on its index, so going from n to n + 1
+//! servers moves only the variables the new server's points take, about
+//! 1/(n+1) of them, where `% num_servers` moves almost all. The ids of a
+//! dynamic table (`psx::embedding`) go to servers on a ring of the same
+//! kind (`VariableInfo::ring`, `TableOptions::virtual_nodes`), whatever the
+//! partitioner.
+struct ConsistentHash {
+  std::uint32_t virtual_nodes = 1024;
+
+  std::vector<Shard> place(const VariableMeta& v, std::size_t num_servers) const {
+    return {{ring(num_servers).server(detail::fnv1a64(v.name)), 0, v.rows}};
+  }
+  //! The ring over `num_servers` servers: `ring(n).server(key)`.
+  detail::HashRing ring(std::size_t num_servers) const {
+    if (virtual_nodes == 0 || virtual_nodes > 65536)
+      throw config_error("psx: partition::ConsistentHash{virtual_nodes = " + std::to_string(virtual_nodes) +
+                         "}: needs 1 to 65536 points per server");
+    return detail::HashRing(num_servers, virtual_nodes);
+  }
+  friend bool operator==(const ConsistentHash&, const ConsistentHash&) = default;
+  friend std::ostream& operator<<(std::ostream& os, const ConsistentHash& p) {
+    return os << "ConsistentHash{virtual_nodes=" << p.virtual_nodes << '}';
+  }
+};
+static_assert(Partitioner<ConsistentHash>);
+
 }  // namespace partition
 
 //! Bytes each server holds under a placement: parameters (rows x row width x

@@ -10,6 +10,7 @@
 #define PSX_VERSION_PATCH 0
 
 #include <psx/cluster.hpp>
+#include <psx/embedding.hpp>
 #include <psx/concepts.hpp>
 #include <psx/errors.hpp>
 #include <psx/gradients.hpp>

@@ -9,6 +9,7 @@
 #include <psx/concepts.hpp>
 #include <psx/detail/persist.hpp>
 #include <psx/detail/span.hpp>
+#include <psx/embedding.hpp>
 #include <psx/errors.hpp>
 #include <psx/message.hpp>
 #include <psx/storage.hpp>
@@ -72,6 +73,7 @@ class Server final : public RequestHandler {
         if (v.shards[k].server == index) {
           shards_[v.meta.id][k] = make_shard(v, k);
           const ShardState& sh = *shards_[v.meta.id][k];
+          if (sh.table) tables_.push_back(sh.table.get());
           parameter_bytes_ += sh.data.parameter_bytes();
           slot_bytes_ += sh.data.slot_bytes();
         }
@@ -138,6 +140,11 @@ class Server final : public RequestHandler {
     for (const auto& b : staleness_) st.staleness.push_back(get(b));
     st.parameter_bytes = parameter_bytes_;
     st.slot_bytes = slot_bytes_;
+    for (const DynamicTable<O>* t : tables_) {  // rows held now
+      const std::uint64_t row = t->dim() * sizeof(float), rows = t->size();
+      st.parameter_bytes += rows * row;
+      st.slot_bytes += rows * row * optimizer_.slots();
+    }
     st.rejected = get(rejected_);
     st.undelivered = get(undelivered_);
     st.waiting = get(waiting_);
@@ -148,6 +155,13 @@ class Server final : public RequestHandler {
   void link_event(LinkEvent e) noexcept override { count(e == LinkEvent::rejected ? rejected_ : undelivered_); }
 
   bool worker_active(std::size_t w) const noexcept override { return w < gone_.size() && gone_[w] == Gone::no; }
+
+  //! This server's part of dynamic table `variable` (a declaration index),
+  //! or null; safe to use from any thread while the server runs.
+  const DynamicTable<O>* table(std::uint32_t variable) const noexcept {
+    if (variable >= shards_.size() || index_ >= shards_[variable].size() || !shards_[variable][index_]) return nullptr;
+    return shards_[variable][index_]->table.get();
+  }
 
  private:
   enum class Gone : std::uint8_t { no, left, lost };
@@ -165,12 +179,17 @@ class Server final : public RequestHandler {
 
   struct ShardState {
     ShardState(const O& optimizer, const VariableInfo& v, std::size_t k)
-        : var(&v), shard(v.shards[k]), data(optimizer, v, v.shards[k]) {}
+        : var(&v), shard(v.shards[k]), data(optimizer, v, v.shards[k]) {
+      if (v.meta.kind == VariableKind::dynamic)
+        table = std::make_unique<DynamicTable<O>>(v.meta.name, v.meta.row_width, v.init, v.table, optimizer);
+    }
 
     const VariableInfo* var = nullptr;
     Shard shard;
     // Parameters, optimizer slots and the 16-bit copy, where Storage keeps them.
     typename Storage::template shard<O> data;
+    // A dynamic table's part on this server (then `data` holds nothing).
+    std::unique_ptr<DynamicTable<O>> table;
     std::uint64_t version = 0;
     std::uint64_t applied_steps = 0;
     std::vector<WorkerView> workers;
@@ -191,6 +210,11 @@ class Server final : public RequestHandler {
   std::unique_ptr<ShardState> make_shard(const VariableInfo& v, std::size_t k) const {
     auto s = std::make_unique<ShardState>(optimizer_, v, k);
     s->workers.resize(clocks_.size());
+    if constexpr (detail::has_compensation<SyncStateT>)
+      if (s->table && sync_.compensates(v.meta))
+        throw config_error("psx: server " + std::to_string(index_) + ": dynamic table '" + v.meta.name +
+                           "': delay compensation keeps a copy of every row a worker read, which an unbounded "
+                           "table cannot; leave it out of the compensated variables");
     if constexpr (detail::has_compensation<SyncStateT> && !Storage::host_visible)
       if (sync_.compensates(v.meta))
         throw config_error("psx: server " + std::to_string(index_) + ": variable '" + v.meta.name +
@@ -241,6 +265,9 @@ class Server final : public RequestHandler {
       throw wire_error("psx: " + where(r) + ": a 16-bit pull of variable '" + name + "', which is stored as " +
                        dtype_name(s.var->meta.dtype));
     if (!rows) {
+      if (s.table)
+        throw wire_error("psx: " + where(r) + ": a whole-shard request of '" + name +
+                         "', a dynamic table (its rows go by id: pull_rows, push_rows)");
       if (got != s.data.size())
         throw wire_error("psx: " + where(r) + ": variable '" + name + "' shard has " +
                          std::to_string(s.data.size()) + " floats, the request carries " + std::to_string(got));
@@ -253,7 +280,7 @@ class Server final : public RequestHandler {
     for (std::size_t j = 0; j < item.ids.size(); ++j) {
       const std::uint64_t id = item.ids[j];
       const std::size_t pos = item.positions.empty() ? j : item.positions[j];
-      if (id < s.shard.row_begin || id >= s.shard.row_end)
+      if (!s.table && (id < s.shard.row_begin || id >= s.shard.row_end))
         throw row_out_of_range("psx: " + where(r) + ": row " + std::to_string(id) + " of variable '" + name +
                                "' is not in this shard's rows [" + std::to_string(s.shard.row_begin) + ", " +
                                std::to_string(s.shard.row_end) + ")");
@@ -351,6 +378,7 @@ class Server final : public RequestHandler {
       for (std::size_t k = 0; k < per_variable.size(); ++k) {
         if (!per_variable[k]) continue;
         ShardState& s = *per_variable[k];
+        if (s.table) refuse_checkpoint(s, "save");
         detail::SavedShard v{s.var, static_cast<std::uint32_t>(k), s.version, {}, {}};
         if constexpr (requires { s.data.values(); s.data.slot_values(std::size_t{}); }) {
           v.params = s.data.values();
@@ -396,6 +424,7 @@ class Server final : public RequestHandler {
       for (auto& per_variable : shards_)
         for (std::size_t k = 0; k < per_variable.size(); ++k)
           if (per_variable[k]) {
+            if (per_variable[k]->table) refuse_checkpoint(*per_variable[k], "restore");
             staged->held.push_back(per_variable[k].get());
             staged->shards.push_back({per_variable[k]->var, static_cast<std::uint32_t>(k), num_slots, {}, {}, 0});
           }
@@ -409,6 +438,12 @@ class Server final : public RequestHandler {
       }
       staged_ = std::move(staged);
     }
+  }
+
+  [[noreturn]] void refuse_checkpoint(const ShardState& s, const char* verb) const {
+    throw checkpoint_error("psx: server " + std::to_string(index_) + ": cannot " + verb + " a checkpoint of '" +
+                           s.var->meta.name + "', a dynamic table: checkpoints hold fixed-size variables; keep a "
+                           "dynamic table with ParameterServer::export_table (full export, then deltas)");
   }
 
   void commit_restore(std::uint64_t step) {
@@ -468,7 +503,8 @@ class Server final : public RequestHandler {
           wv->pulled_rows.assign(s.shard.rows(), false);
         }
       }
-      if (rows && low) s.data.read_rows(item.ids, s.shard.row_begin, item.positions, item.out16);
+      if (s.table) s.table->pull(item.ids, item.positions, item.out, r.clock + 1);
+      else if (rows && low) s.data.read_rows(item.ids, s.shard.row_begin, item.positions, item.out16);
       else if (rows) s.data.read_rows(item.ids, s.shard.row_begin, item.positions, item.out);
       else if (low) s.data.read(item.out16);
       else s.data.read(item.out);
@@ -541,7 +577,7 @@ class Server final : public RequestHandler {
       switch (actions[i].kind) {
         case PushAction::Kind::apply:
           record_staleness(s.version, wv.pulled_version);
-          if (rows && applies_raw_rows && !compensates(s)) {
+          if (rows && applies_raw_rows && !compensates(s) && !s.table) {
             // The storage sums repeated ids itself (on the device).
             apply_raw_rows(s, item, actions[i].lr_scale, r.clock + 1);
           } else if (rows) {
@@ -658,7 +694,9 @@ class Server final : public RequestHandler {
   }
 
   void apply_rows(ShardState& s, const detail::RowAccumulator& rows, double lr_scale, std::uint64_t global_step) {
-    s.data.apply_rows(optimizer_, rows, UpdateContext{++s.version, lr_scale, &s.var->meta, global_step, true});
+    const UpdateContext ctx{++s.version, lr_scale, &s.var->meta, global_step, true};
+    if (s.table) s.table->apply(optimizer_, rows, ctx);
+    else s.data.apply_rows(optimizer_, rows, ctx);
   }
 
   StepProgress step_progress(const ShardState& s) const {
@@ -872,6 +910,7 @@ class Server final : public RequestHandler {
   std::uint64_t slot_bytes_ = 0;
   std::chrono::milliseconds peer_timeout_;
   std::vector<std::vector<std::unique_ptr<ShardState>>> shards_;  // [variable][shard]; null where not ours
+  std::vector<const DynamicTable<O>*> tables_;  // the dynamic tables among them
   std::vector<std::uint64_t> clocks_;
   std::unique_ptr<StagedRestore> staged_;  // a restore read but not yet applied
   std::vector<Gone> gone_;

@@ -5,11 +5,13 @@
 #pragma once
 
 #include <psx/detail/hash.hpp>
+#include <psx/detail/ring.hpp>
 #include <psx/detail/span.hpp>
 #include <psx/errors.hpp>
 #include <psx/half.hpp>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -24,11 +26,12 @@ namespace psx {
 inline namespace v0 {
 
 //! Dense variables are pulled and pushed whole; sparse ones (embedding
-//! tables) by row id as well.
-enum class VariableKind : std::uint8_t { dense, sparse };
+//! tables of a fixed row count) by row id as well; dynamic ones (embedding
+//! tables keyed by any 64-bit feature id, psx/embedding.hpp) by id only.
+enum class VariableKind : std::uint8_t { dense, sparse, dynamic };
 
 inline std::ostream& operator<<(std::ostream& os, VariableKind k) {
-  return os << (k == VariableKind::dense ? "dense" : "sparse");
+  return os << (k == VariableKind::dense ? "dense" : k == VariableKind::sparse ? "sparse" : "dynamic");
 }
 
 //! How a variable's initial values are drawn.
@@ -81,6 +84,15 @@ struct Initializer {
     for (std::size_t i = 0; i < out.size(); ++i) out[i] = value_at(key, first + i);
   }
 
+  //! Fills `out` with the initial row of feature id `id` of the dynamic
+  //! table `name` (psx/embedding.hpp): element `i` is drawn from a stream
+  //! keyed by the name, the seed and the id, so any 64-bit id has its own
+  //! values and no two ids share a stream.
+  void fill_row(std::string_view name, std::uint64_t id, std::span<float> out) const noexcept {
+    const std::uint64_t key = detail::mix64(stream_key(name) ^ detail::mix64(id ^ 0x6a09e667f3bcc908ull));
+    for (std::size_t i = 0; i < out.size(); ++i) out[i] = value_at(key, i);
+  }
+
   friend bool operator==(const Initializer&, const Initializer&) = default;
 
  private:
@@ -114,6 +126,63 @@ struct Initializer {
   }
 };
 
+//! When a dynamic table stores a feature id it has not stored yet: until
+//! then a pull of the id returns its initial value and a push of it changes
+//! nothing (psx/embedding.hpp).
+struct Admission {
+  enum class Kind : std::uint8_t {
+    always,        //!< at its first push
+    after_pushes,  //!< once pushed `pushes` times (counted in a count-min sketch)
+    probability,   //!< at each push with probability `probability`
+  };
+  Kind kind = Kind::always;
+  //! after_pushes: the pushes an id needs (1..255).
+  std::uint32_t pushes = 1;
+  //! probability: the chance per push, in (0, 1].
+  double probability = 1.0;
+  //! probability: the coin of id `x` at global step `t` depends on (seed, x, t) only.
+  std::uint64_t seed = 0;
+  //! after_pushes: counters per row of the sketch (a power of two) and rows;
+  //! an id is counted too high with probability about `e^-depth` once more
+  //! than `width / e` ids were pushed (Cormode & Muthukrishnan 2005).
+  std::uint32_t sketch_width = 1u << 20;
+  std::uint32_t sketch_depth = 4;
+
+  static constexpr Admission always() noexcept { return {}; }
+  static constexpr Admission after_pushes(std::uint32_t n, std::uint32_t width = 1u << 20,
+                                          std::uint32_t depth = 4) noexcept {
+    return {Kind::after_pushes, n, 1.0, 0, width, depth};
+  }
+  static constexpr Admission with_probability(double p, std::uint64_t seed = 0) noexcept {
+    return {Kind::probability, 1, p, seed, 1u << 20, 4};
+  }
+  friend bool operator==(const Admission&, const Admission&) = default;
+};
+
+//! How a dynamic table (`psx::embedding`) admits, evicts and is placed.
+struct TableOptions {
+  Admission admission = Admission::always();
+  //! Evict a row not updated for more than `ttl_steps` global steps (0: never).
+  std::uint64_t ttl_steps = 0;
+  //! How often the time-to-live sweep runs, in global steps (0: every
+  //! `max(1, ttl_steps / 16)` steps): a row outlives its ttl by less than this.
+  std::uint64_t ttl_sweep_steps = 0;
+  //! Bytes each server may hold for this table: rows, slots, index and
+  //! sketch (0: no cap). A server at its cap evicts its least recently used
+  //! rows (pulled or pushed) to store new ones.
+  std::uint64_t memory_cap_bytes = 0;
+  //! Points per server on the consistent-hash ring that places ids (1024:
+  //! adding a server moves within 6% of 1/(n+1) of the ids for n <= 32).
+  std::uint32_t virtual_nodes = 1024;
+  //! Independently locked parts of each server's table (a power of two).
+  std::uint32_t stripes = 64;
+  //! Removals remembered for delta exports, per server; beyond it the
+  //! oldest half is forgotten, and a delta from before them is refused.
+  std::uint64_t removal_log_limit = 1u << 20;
+
+  friend bool operator==(const TableOptions&, const TableOptions&) = default;
+};
+
 //! What a user declares.
 struct VariableSpec {
   //! Unique name; the partitioners and the initializer hash it.
@@ -131,6 +200,8 @@ struct VariableSpec {
   DType dtype = DType::float32;
   //! A free-form group a sync policy may route on (see `sync::Hybrid`).
   std::string sync_group = {};
+  //! Dynamic tables only: admission, eviction, placement.
+  TableOptions table = {};
 };
 
 //! A dense variable.
@@ -143,6 +214,14 @@ inline VariableSpec dense(std::string name, std::vector<std::size_t> shape,
 inline VariableSpec sparse(std::string name, std::size_t rows, std::size_t dim,
                            Initializer init = Initializer::zeros(), bool trainable = true) {
   return {std::move(name), {rows, dim}, VariableKind::sparse, init, trainable, DType::float32, {}};
+}
+
+//! A dynamic embedding table: rows of `dim` floats keyed by any 64-bit
+//! feature id, stored when admitted, evicted by age or memory (see
+//! psx/embedding.hpp). Shape `[dim]`; float32.
+inline VariableSpec embedding(std::string name, std::size_t dim, Initializer init = Initializer::zeros(),
+                              TableOptions options = {}) {
+  return {std::move(name), {dim}, VariableKind::dynamic, init, true, DType::float32, {}, options};
 }
 
 //! What a partitioner sees of a variable.
@@ -179,8 +258,12 @@ struct VariableInfo {
   VariableMeta meta;
   Initializer init;
   bool trainable = true;
-  //! Ordered by row, tiling `[0, rows)`.
+  //! Ordered by row, tiling `[0, rows)`. A dynamic table: shard k on
+  //! server k, rows [0, 0) (its ids go by `ring`).
   std::vector<Shard> shards;
+  //! Dynamic tables: the options and the ring that places ids on servers.
+  TableOptions table;
+  detail::HashRing ring;
 
   const std::string& name() const noexcept { return meta.name; }
 
@@ -208,9 +291,40 @@ struct VariableInfo {
 
 namespace detail {
 
+// A dynamic table's meta: no rows (ids are unbounded), `dim` floats a row.
+inline VariableMeta make_dynamic_meta(const VariableSpec& spec, std::uint32_t id) {
+  const std::string what = "psx: dynamic table '" + spec.name + "'";
+  if (spec.shape.size() != 1 || spec.shape[0] == 0 || spec.shape[0] > (1u << 20))
+    throw shape_error(what + " needs a shape [dim] with 0 < dim <= 2^20, got " + shape_string(spec.shape));
+  if (spec.dtype != DType::float32) throw config_error(what + " is stored as float32 only");
+  const TableOptions& o = spec.table;
+  const Admission& a = o.admission;
+  if (a.kind == Admission::Kind::after_pushes &&
+      (a.pushes < 1 || a.pushes > 255 || !std::has_single_bit(a.sketch_width) || a.sketch_depth < 1 ||
+       a.sketch_depth > 16))
+    throw config_error(what + ": admission after n pushes needs 1 <= n <= 255, a power-of-two sketch width and "
+                              "1 to 16 sketch rows");
+  if (a.kind == Admission::Kind::probability && !(a.probability > 0.0 && a.probability <= 1.0))
+    throw config_error(what + ": admission probability must be in (0, 1], got " + std::to_string(a.probability));
+  if (!std::has_single_bit(o.stripes) || o.stripes > 4096)
+    throw config_error(what + ": stripes must be a power of two up to 4096, got " + std::to_string(o.stripes));
+  if (o.virtual_nodes < 1 || o.virtual_nodes > 65536)
+    throw config_error(what + ": virtual_nodes must be in [1, 65536], got " + std::to_string(o.virtual_nodes));
+  VariableMeta m;
+  m.name = spec.name;
+  m.shape = spec.shape;
+  m.kind = VariableKind::dynamic;
+  m.sync_group = spec.sync_group;
+  m.id = id;
+  m.rows = 0;
+  m.row_width = spec.shape[0];
+  return m;
+}
+
 // Checks a spec and derives rows and row width; throws shape_error.
 inline VariableMeta make_meta(const VariableSpec& spec, std::uint32_t id) {
   if (spec.name.empty()) throw config_error("psx: a variable needs a non-empty name");
+  if (spec.kind == VariableKind::dynamic) return make_dynamic_meta(spec, id);
   if (spec.kind == VariableKind::sparse && spec.shape.size() != 2)
     throw shape_error("psx: sparse variable '" + spec.name + "' needs a shape [rows, dim], got " +
                       shape_string(spec.shape));

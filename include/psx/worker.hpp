@@ -516,6 +516,9 @@ class Worker {
     for (std::size_t i = 0; i < count; ++i) {
       auto [name, size] = entry(i);
       const VariableInfo& v = core_->find(name, verb, index_);
+      if (v.meta.kind == VariableKind::dynamic)
+        throw shape_error("psx: worker " + std::to_string(index_) + ": " + verb + " of '" + v.meta.name +
+                          "', a dynamic table: it has no whole value; pull_rows and push_rows its rows by id");
       if (size != v.meta.size())
         throw shape_error("psx: worker " + std::to_string(index_) + ": " + verb + " of variable '" + v.meta.name +
                           "' of shape " + detail::shape_string(v.meta.shape) + " (" +
@@ -551,7 +554,8 @@ class Worker {
     if (ids.size() > std::numeric_limits<std::uint32_t>::max())
       throw shape_error("psx: worker " + std::to_string(index_) + ": " + verb + " of " +
                         std::to_string(ids.size()) + " ids of '" + v.meta.name + "': at most 2^32 - 1 per call");
-    for (std::size_t j = 0; j < ids.size(); ++j)
+    const bool dynamic = v.meta.kind == VariableKind::dynamic;  // any 64-bit id
+    for (std::size_t j = 0; j < ids.size() && !dynamic; ++j)
       if (ids[j] >= v.meta.rows)
         throw row_out_of_range("psx: worker " + std::to_string(index_) + ": " + verb + " of variable '" +
                                v.meta.name + "' (" + std::to_string(v.meta.rows) + " rows): row id " +
@@ -585,7 +589,7 @@ class Worker {
     std::vector<std::size_t> start(v.shards.size() + 1, 0);
     std::vector<std::uint32_t> shard_of(ids.size());
     for (std::size_t j = 0; j < ids.size(); ++j) {
-      shard_of[j] = static_cast<std::uint32_t>(v.shard_of_row(ids[j]));
+      shard_of[j] = static_cast<std::uint32_t>(dynamic ? v.ring.server(ids[j]) : v.shard_of_row(ids[j]));
       ++start[shard_of[j] + 1];
     }
     std::vector<bool> server_used(num_servers(), false);

@@ -637,3 +637,69 @@ TEST_CASE("zmq: the chief collects the counters of a server in another process")
     CHECK(again[0].requests == got[0].requests + 1);
   });
 }
+
+namespace {
+
+// A dynamic table trained by every worker; after the last step the chief
+// pulls the rows of every id it ever pushed.
+constexpr std::uint64_t dynamic_ids[] = {0, 1, 77, 1ull << 40, 0x9e3779b97f4a7c15ull, UINT64_MAX};
+
+template <class PS>
+std::vector<float> train_dynamic(PS& cluster) {
+  cluster.declare(psx::embedding("emb", 4, psx::Initializer::uniform(-1.0f, 1.0f, 3)));
+  std::vector<float> result;
+  cluster.run([&](psx::Worker& w) {
+    std::vector<float> rows(std::size(dynamic_ids) * 4), g(rows.size());
+    for (std::size_t step = 0; step < 6; ++step) {
+      w.pull_rows("emb", dynamic_ids, rows);
+      for (std::size_t i = 0; i < g.size(); ++i) g[i] = psx_test::toy_grad(rows[i], w.index(), step, i);
+      w.push_rows("emb", std::span(dynamic_ids).subspan(w.index() % 2), std::span<const float>(g).subspan((w.index() % 2) * 4));
+      w.step();
+    }
+    w.barrier();
+    if (w.index() == 0) {
+      result.resize(rows.size());
+      w.pull_rows("emb", dynamic_ids, result);
+    }
+  });
+  return result;
+}
+
+}  // namespace
+
+TEST_CASE("zmq: a dynamic embedding table trains over tcp as in process, bit for bit") {
+  psx_test::Watchdog dog("zmq dynamic table", std::chrono::seconds(120));
+  TempDir dir;
+  const ClusterSpec c = spec(2, 3, false, dir.path);
+  const psx::ClusterConfig config{2, 3, std::chrono::milliseconds(20000)};
+  std::vector<float> over_zmq;
+  std::mutex mu;
+  std::exception_ptr first;
+  std::vector<std::thread> tasks;
+  auto task = [&](std::string type, std::size_t index) {
+    try {
+      ZmqCluster<psx::partition::HashByName, psx::sync::Synchronous, psx::optim::Adagrad> cluster(
+          config, {}, {}, psx::optim::Adagrad{.lr = 0.1}, settings(c, type, index, dir.path));
+      auto rows = train_dynamic(cluster);
+      std::lock_guard lock(mu);
+      if (type == "chief") over_zmq = std::move(rows);
+    } catch (...) {
+      std::lock_guard lock(mu);
+      if (!first) first = std::current_exception();
+    }
+  };
+  for (std::size_t s = 0; s < 2; ++s) tasks.emplace_back(task, "ps", s);
+  tasks.emplace_back(task, "chief", 0);
+  for (std::size_t w = 1; w < 3; ++w) tasks.emplace_back(task, "worker", w - 1);
+  for (auto& t : tasks) t.join();
+  if (first) std::rethrow_exception(first);
+  psx::LocalCluster<psx::partition::HashByName, psx::sync::Synchronous, psx::optim::Adagrad> local(
+      config, {}, {}, psx::optim::Adagrad{.lr = 0.1});
+  const std::vector<float> in_process = train_dynamic(local);
+  REQUIRE(over_zmq.size() == in_process.size());
+  CHECK(std::memcmp(over_zmq.data(), in_process.data(), in_process.size() * sizeof(float)) == 0);
+  // Training moved every row away from its initial value.
+  std::vector<float> initial(4);
+  psx::Initializer::uniform(-1.0f, 1.0f, 3).fill_row("emb", UINT64_MAX, initial);
+  CHECK(std::vector<float>(in_process.end() - 4, in_process.end()) != initial);
+}

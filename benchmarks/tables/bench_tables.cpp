@@ -1,0 +1,232 @@
+// bench_tables: dynamic embedding tables (psx/embedding.hpp) against a plain
+// std::unordered_map doing the same lookups and updates, in the same run.
+//
+// The stream: Zipf(1.1) ranks over 10M ids, each rank hashed to a 64-bit
+// feature id, cut into batches of 1024 ids. Per batch: a pull (copy every
+// id's row; an id not stored gets its initial value) and a push (sum the
+// rows of repeated ids, then one Adagrad update per distinct id, storing ids
+// not seen before with their initial value and a fresh accumulator). Every
+// id is admitted; nothing is evicted.
+//
+// Three ways to run the same stream, for dims 16 and 64 and 1 and 2 threads:
+//   map      std::unordered_map<id, std::vector<float>> (row, then its
+//            slot), one std::mutex per call when 2 threads share it; the
+//            same RowAccumulator sums repeated ids, the same optimizer.
+//   table    psx::DynamicTable<Adagrad>, the threads calling pull/push
+//            directly (the server's data structure alone).
+//   cluster  ParameterServer<HashByName, Asynchronous, Adagrad, InProcess>
+//            with as many servers and workers as threads: Worker::pull_rows
+//            and push_rows of a psx::embedding table (ids grouped by the
+//            consistent-hash ring, requests through the in-process
+//            transport, the server thread applying them).
+// Throughput is ids per second of pull and of push, summed over threads;
+// the goal (issue 9) is the cluster at 3x the map or better. Memory: the
+// table's own accounting (TableStats::bytes) and, for the map, what glibc's
+// allocator handed out while it was built (mallinfo2), both per row next to
+// the ideal (the row and its slot, dim * 4 * 2 bytes).
+//
+//   bench_tables [ids_per_thread]     (default 4M)
+#include <psx/psx.hpp>
+
+#include "../zipf.hpp"
+
+#include <malloc.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <mutex>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+constexpr std::size_t kBatch = 1024;
+constexpr std::size_t kUniverse = 10'000'000;
+const psx::Initializer kInit = psx::Initializer::uniform(-0.05f, 0.05f, 7);
+const psx::optim::Adagrad kOpt{.lr = 0.05};
+
+struct Rates {
+  double pull = 0, push = 0;  // ids per second
+  double bytes_per_row = 0;
+};
+
+// What each thread measures: seconds inside pull and push calls, ids done.
+struct Timing {
+  double pull_s = 0, push_s = 0;
+  std::size_t ids = 0;
+};
+
+// The same gradient everywhere: a function of the value pulled.
+void gradient(const std::vector<float>& rows, std::vector<float>& g) {
+  for (std::size_t i = 0; i < rows.size(); ++i) g[i] = 0.1f * rows[i] + 0.01f;
+}
+
+// Runs `pull(batch, out)` and `push(batch, grads)` over one thread's ids;
+// the first tenth of the batches warms up untimed.
+template <class Pull, class Push>
+Timing drive(const std::vector<std::uint64_t>& ids, std::size_t dim, Pull&& pull, Push&& push) {
+  Timing t;
+  std::vector<float> rows(kBatch * dim), g(kBatch * dim);
+  const std::size_t batches = ids.size() / kBatch;
+  for (std::size_t b = 0; b < batches; ++b) {
+    const std::span<const std::uint64_t> batch(ids.data() + b * kBatch, kBatch);
+    const auto t0 = Clock::now();
+    pull(batch, std::span<float>(rows), b + 1);
+    const auto t1 = Clock::now();
+    gradient(rows, g);
+    const auto t2 = Clock::now();
+    push(batch, std::span<const float>(g), b + 1);
+    const auto t3 = Clock::now();
+    if (b < batches / 10) continue;
+    t.pull_s += std::chrono::duration<double>(t1 - t0).count();
+    t.push_s += std::chrono::duration<double>(t3 - t2).count();
+    t.ids += kBatch;
+  }
+  return t;
+}
+
+Rates rates(const std::vector<Timing>& per_thread) {
+  Rates r;
+  for (const Timing& t : per_thread) {
+    r.pull += static_cast<double>(t.ids) / t.pull_s;
+    r.push += static_cast<double>(t.ids) / t.push_s;
+  }
+  return r;
+}
+
+template <class F>
+std::vector<Timing> on_threads(std::size_t threads, F&& body) {
+  std::vector<Timing> out(threads);
+  std::vector<std::thread> pool;
+  for (std::size_t t = 0; t < threads; ++t) pool.emplace_back([&, t] { out[t] = body(t); });
+  for (auto& th : pool) th.join();
+  return out;
+}
+
+// The baseline: a plain unordered_map from id to its row and Adagrad slot.
+class MapTable {
+ public:
+  MapTable(std::size_t dim, bool locked) : dim_(dim), locked_(locked) {}
+
+  void pull(std::span<const std::uint64_t> ids, std::span<float> out) {
+    std::unique_lock lock(mu_, std::defer_lock);
+    if (locked_) lock.lock();
+    for (std::size_t j = 0; j < ids.size(); ++j) {
+      const auto it = rows_.find(ids[j]);
+      if (it != rows_.end()) std::copy_n(it->second.data(), dim_, out.data() + j * dim_);
+      else kInit.fill_row("emb", ids[j], out.subspan(j * dim_, dim_));
+    }
+  }
+
+  void push(std::span<const std::uint64_t> ids, std::span<const float> grads, std::uint64_t step) {
+    std::unique_lock lock(mu_, std::defer_lock);
+    if (locked_) lock.lock();
+    sum_.reset(dim_);
+    for (std::size_t j = 0; j < ids.size(); ++j) sum_.add(ids[j], grads.data() + j * dim_);
+    const psx::UpdateContext ctx{step, 1.0, nullptr, step, true};
+    for (std::size_t k = 0; k < sum_.rows().size(); ++k) {
+      auto [it, fresh] = rows_.try_emplace(sum_.rows()[k]);
+      std::vector<float>& row = it->second;
+      if (fresh) {
+        row.assign(2 * dim_, static_cast<float>(kOpt.initial_accumulator_value));
+        kInit.fill_row("emb", it->first, std::span<float>(row.data(), dim_));
+      }
+      float* bases[] = {row.data() + dim_};
+      kOpt.update(std::span<float>(row.data(), dim_), std::span<const float>(sum_.row_data(k), dim_),
+                  psx::SlotView(bases, 1, 0, dim_), ctx);
+    }
+  }
+
+  std::size_t size() const { return rows_.size(); }
+
+ private:
+  std::size_t dim_;
+  bool locked_;
+  std::mutex mu_;
+  std::unordered_map<std::uint64_t, std::vector<float>> rows_;
+  psx::detail::RowAccumulator sum_;  // under the lock too when shared
+};
+
+Rates run_map(const std::vector<std::vector<std::uint64_t>>& ids, std::size_t dim) {
+  const std::size_t threads = ids.size();
+  const std::size_t heap_before = mallinfo2().uordblks;
+  auto table = std::make_unique<MapTable>(dim, threads > 1);
+  Rates r = rates(on_threads(threads, [&](std::size_t t) {
+    return drive(ids[t], dim, [&](auto batch, auto out, std::uint64_t) { table->pull(batch, out); },
+                 [&](auto batch, auto g, std::uint64_t step) { table->push(batch, g, step); });
+  }));
+  const std::size_t heap = mallinfo2().uordblks - heap_before;
+  r.bytes_per_row = static_cast<double>(heap) / static_cast<double>(table->size());
+  return r;
+}
+
+Rates run_table(const std::vector<std::vector<std::uint64_t>>& ids, std::size_t dim) {
+  psx::DynamicTable<psx::optim::Adagrad> table("emb", dim, kInit, {}, kOpt);
+  Rates r = rates(on_threads(ids.size(), [&](std::size_t t) {
+    return drive(ids[t], dim, [&](auto batch, auto out, std::uint64_t step) { table.pull(batch, {}, out, step); },
+                 [&](auto batch, auto g, std::uint64_t step) {
+                   table.push(kOpt, batch, g, psx::UpdateContext{step, 1.0, nullptr, step, true});
+                 });
+  }));
+  r.bytes_per_row = table.stats().bytes_per_row();
+  return r;
+}
+
+Rates run_cluster(const std::vector<std::vector<std::uint64_t>>& ids, std::size_t dim) {
+  const std::size_t threads = ids.size();
+  psx::LocalCluster<psx::partition::HashByName, psx::sync::Asynchronous, psx::optim::Adagrad> ps({threads, threads}, {},
+                                                                                                {}, kOpt);
+  ps.declare(psx::embedding("emb", dim, kInit));
+  std::vector<Timing> out(threads);
+  ps.run([&](psx::Worker& w) {
+    out[w.index()] = drive(ids[w.index()], dim,
+                           [&](auto batch, auto rows, std::uint64_t) { w.pull_rows("emb", batch, rows); },
+                           [&](auto batch, auto g, std::uint64_t) {
+                             w.push_rows("emb", batch, g);
+                             w.step();
+                           });
+  });
+  Rates r = rates(out);
+  psx::TableStats total;
+  for (const auto& s : ps.table_stats("emb")) total += s;
+  r.bytes_per_row = total.bytes_per_row();
+  return r;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const std::size_t per_thread = argc > 1 ? std::strtoull(argv[1], nullptr, 10) : 4'000'000;
+  std::printf("bench_tables: Zipf(1.1) over %zu ids, %zu ids per thread in batches of %zu, Adagrad; "
+              "Mids/s summed over threads\n",
+              kUniverse, per_thread, kBatch);
+  std::vector<std::uint64_t> all = psx_bench::zipf_ids(2 * per_thread, kUniverse, 1.1, 42);
+  for (auto& id : all) id = psx::detail::mix64(id);  // hashed feature ids
+  std::size_t distinct = 0;
+  {
+    std::vector<std::uint64_t> sorted(all);
+    std::sort(sorted.begin(), sorted.end());
+    distinct = static_cast<std::size_t>(std::unique(sorted.begin(), sorted.end()) - sorted.begin());
+  }
+  std::printf("%zu distinct ids in the 2-thread stream\n\n", distinct);
+  std::printf("%-4s %-7s | %-21s | %-21s | %-21s | %-13s | %s\n", "dim", "threads", "map pull/push",
+              "table pull/push", "cluster pull/push", "cluster / map", "bytes/row: ideal map table");
+  for (const std::size_t dim : {16, 64}) {
+    for (const std::size_t threads : {1, 2}) {
+      std::vector<std::vector<std::uint64_t>> ids(threads);
+      for (std::size_t t = 0; t < threads; ++t)
+        ids[t].assign(all.begin() + static_cast<std::ptrdiff_t>(t * per_thread),
+                      all.begin() + static_cast<std::ptrdiff_t>((t + 1) * per_thread));
+      const Rates map = run_map(ids, dim), table = run_table(ids, dim), cluster = run_cluster(ids, dim);
+      std::printf("%-4zu %-7zu | %9.2f %9.2f   | %9.2f %9.2f   | %9.2f %9.2f   | %5.2fx %5.2fx | %zu %.0f %.0f\n", dim,
+                  threads, map.pull / 1e6, map.push / 1e6, table.pull / 1e6, table.push / 1e6, cluster.pull / 1e6,
+                  cluster.push / 1e6, cluster.pull / map.pull, cluster.push / map.push, dim * 8, map.bytes_per_row,
+                  table.bytes_per_row);
+    }
+  }
+  std::printf("\ngoal: cluster / map >= 3x (pull and push)\n");
+}

@@ -1,0 +1,676 @@
+//! @file psx/embedding.hpp
+//! Dynamic embedding tables: rows of `dim` floats keyed by any 64-bit
+//! feature id, for recommender models whose ids are hashed, unknown in
+//! advance and without end.
+//!
+//! A table (`psx::embedding(name, dim, init, options)`) has no row count.
+//! Its ids go to servers by consistent hashing (`VariableInfo::ring`); each
+//! server keeps its part in a `DynamicTable`:
+//!  - a pull of an id not stored returns its initial value
+//!    (`Initializer::fill_row`: a function of the name, seed and id) and
+//!    stores nothing;
+//!  - a push of an id not stored asks the admission policy (`Admission`:
+//!    always, after n pushes counted in a count-min sketch, or with
+//!    probability p); an admitted id is stored with its initial value and
+//!    its own optimizer slots, then updated; a refused push changes nothing
+//!    (and is counted);
+//!  - rows not updated for `ttl_steps` global steps are evicted by a sweep,
+//!    and a server at `memory_cap_bytes` evicts its least recently used rows
+//!    (pulled or pushed, by global step) before it grows;
+//!  - every change gets a version, so `export_rows(since)` returns the rows
+//!    changed after `since` and the ids removed after it: a serving copy
+//!    applies the increments (`TableExport::merge`).
+//!
+//! The table is a concurrent hash table: `stripes` independently locked
+//! parts (a reader-writer lock each), each an open-addressing index
+//! (linear probing, backward-shift deletion) over records allocated in
+//! chunks (the row's bookkeeping, then its parameters and slots, `dim * (1 +
+//! slots)` floats). A call groups its ids by stripe and locks each stripe
+//! once, holding one lock at a time; within a stripe it asks for every
+//! index entry and then every record at once before reading them, so that
+//! the cache misses of random ids overlap. A memory cap is split evenly
+//! over the stripes, each evicting its own least recently used rows
+//! (RocksDB's sharded LRU cache does the same).
+#pragma once
+
+#include <psx/concepts.hpp>
+#include <psx/detail/hash.hpp>
+#include <psx/errors.hpp>
+#include <psx/storage.hpp>
+#include <psx/variable.hpp>
+
+#include <algorithm>
+#include <atomic>
+#include <bit>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <new>
+#include <optional>
+#include <ostream>
+#include <shared_mutex>
+#include <span>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+namespace psx {
+inline namespace v0 {
+
+//! What one server holds of a dynamic table (`DynamicTable::stats`,
+//! `ParameterServer::table_stats`); `+=` sums servers.
+struct TableStats {
+  std::uint64_t rows = 0;            //!< ids stored now
+  std::uint64_t bytes = 0;           //!< memory held: records, index, admission sketch (what the cap bounds)
+  std::uint64_t ideal_row_bytes = 0; //!< `dim * 4 * (1 + slots)`: a row's parameters and slots alone
+  std::uint64_t admitted = 0;        //!< ids stored (an id evicted and admitted again counts twice)
+  std::uint64_t refused = 0;         //!< pushes of ids the admission policy did not (yet) store
+  std::uint64_t evicted_ttl = 0;     //!< rows evicted for not being updated within `ttl_steps`
+  std::uint64_t evicted_memory = 0;  //!< rows evicted, least recently used, to stay under the memory cap
+  std::uint64_t removal_log = 0;     //!< removals remembered for delta exports
+  std::uint64_t removal_log_bytes = 0;  //!< their memory (outside the cap)
+
+  //! Bytes held per stored row (index, chunk slack and sketch included).
+  double bytes_per_row() const noexcept { return rows ? static_cast<double>(bytes) / static_cast<double>(rows) : 0.0; }
+
+  TableStats& operator+=(const TableStats& o) noexcept {
+    rows += o.rows;
+    bytes += o.bytes;
+    ideal_row_bytes = std::max(ideal_row_bytes, o.ideal_row_bytes);
+    admitted += o.admitted;
+    refused += o.refused;
+    evicted_ttl += o.evicted_ttl;
+    evicted_memory += o.evicted_memory;
+    removal_log += o.removal_log;
+    removal_log_bytes += o.removal_log_bytes;
+    return *this;
+  }
+
+  //! `rows 1200, 0.29 MiB (254.1 B/row, ideal 192), admitted 1500, refused 300, evicted 300 (ttl 100, memory 200)`
+  friend std::ostream& operator<<(std::ostream& os, const TableStats& s) {
+    char line[200];
+    std::snprintf(line, sizeof line,
+                  "rows %llu, %.2f MiB (%.1f B/row, ideal %llu), admitted %llu, refused %llu, evicted %llu "
+                  "(ttl %llu, memory %llu)",
+                  static_cast<unsigned long long>(s.rows), static_cast<double>(s.bytes) / (1 << 20), s.bytes_per_row(),
+                  static_cast<unsigned long long>(s.ideal_row_bytes), static_cast<unsigned long long>(s.admitted),
+                  static_cast<unsigned long long>(s.refused),
+                  static_cast<unsigned long long>(s.evicted_ttl + s.evicted_memory),
+                  static_cast<unsigned long long>(s.evicted_ttl), static_cast<unsigned long long>(s.evicted_memory));
+    return os << line;
+  }
+};
+
+//! Rows of a dynamic table: a full export (every stored row) or a delta
+//! (rows changed and ids removed after a cursor). A serving copy starts
+//! from a full export and `merge`s each delta into it.
+struct TableExport {
+  std::size_t dim = 0;
+  //! Per server: the version this export is complete up to; pass it to the
+  //! next delta export.
+  std::vector<std::uint64_t> cursor;
+  //! Stored ids and their rows (`ids.size() * dim` floats), in no particular order.
+  std::vector<std::uint64_t> ids;
+  std::vector<float> values;
+  //! Delta only: ids removed (evicted) after the cursor it was taken from.
+  std::vector<std::uint64_t> removed;
+
+  std::span<const float> row(std::size_t k) const noexcept { return {values.data() + k * dim, dim}; }
+
+  //! Applies a delta: drops its removed ids, then inserts or replaces its
+  //! rows; takes its cursor. Throws checkpoint_error on another row width.
+  void merge(const TableExport& delta) {
+    if (delta.dim != dim)
+      throw checkpoint_error("psx: merging a delta of rows of " + std::to_string(delta.dim) +
+                             " floats into an export of rows of " + std::to_string(dim));
+    std::unordered_map<std::uint64_t, std::size_t> at;
+    at.reserve(ids.size());
+    for (std::size_t k = 0; k < ids.size(); ++k) at.emplace(ids[k], k);
+    auto drop = [&](std::uint64_t id) {
+      const auto it = at.find(id);
+      if (it == at.end()) return;
+      const std::size_t k = it->second, last = ids.size() - 1;
+      if (k != last) {
+        ids[k] = ids[last];
+        std::memcpy(values.data() + k * dim, values.data() + last * dim, dim * sizeof(float));
+        at[ids[k]] = k;
+      }
+      ids.pop_back();
+      values.resize(ids.size() * dim);
+      at.erase(it);
+    };
+    for (const std::uint64_t id : delta.removed) drop(id);
+    for (std::size_t k = 0; k < delta.ids.size(); ++k) {
+      const auto [it, fresh] = at.emplace(delta.ids[k], ids.size());
+      if (fresh) {
+        ids.push_back(delta.ids[k]);
+        values.resize(ids.size() * dim);
+      }
+      std::memcpy(values.data() + it->second * dim, delta.values.data() + k * dim, dim * sizeof(float));
+    }
+    cursor = delta.cursor;
+  }
+
+  //! The rows sorted by id (to compare two exports).
+  std::vector<std::pair<std::uint64_t, std::vector<float>>> sorted() const {
+    std::vector<std::pair<std::uint64_t, std::vector<float>>> out;
+    out.reserve(ids.size());
+    for (std::size_t k = 0; k < ids.size(); ++k) out.emplace_back(ids[k], std::vector<float>(row(k).begin(), row(k).end()));
+    std::sort(out.begin(), out.end());
+    return out;
+  }
+};
+
+namespace detail {
+
+// A count-min sketch of 8-bit saturating counters with conservative update
+// (only the smallest counters grow): how often an id not yet stored was pushed.
+class PushSketch {
+ public:
+  PushSketch() = default;
+  PushSketch(std::uint32_t width, std::uint32_t depth)
+      : mask_(width - 1), depth_(depth), counts_(std::make_unique<std::atomic<std::uint8_t>[]>(std::size_t{width} * depth)) {}
+
+  std::uint64_t bytes() const noexcept { return counts_ ? (std::uint64_t{mask_} + 1) * depth_ : 0; }
+
+  // Counts one push of `id`; returns its estimate, this push included.
+  unsigned add(std::uint64_t id) noexcept {
+    std::size_t at[16];
+    unsigned lo = 255;
+    for (std::uint32_t r = 0; r < depth_; ++r) {
+      at[r] = r * (std::size_t{mask_} + 1) + (mix64(id ^ (0x8cb92ba72f3d8dd7ull * (r + 1))) & mask_);
+      lo = std::min<unsigned>(lo, counts_[at[r]].load(std::memory_order_relaxed));
+    }
+    if (lo == 255) return lo;
+    for (std::uint32_t r = 0; r < depth_; ++r)
+      if (counts_[at[r]].load(std::memory_order_relaxed) == lo)
+        counts_[at[r]].store(static_cast<std::uint8_t>(lo + 1), std::memory_order_relaxed);
+    return lo + 1;
+  }
+
+ private:
+  std::uint32_t mask_ = 0;
+  std::uint32_t depth_ = 0;
+  std::unique_ptr<std::atomic<std::uint8_t>[]> counts_;
+};
+
+// Records per chunk: a stripe grows by this many rows at a time.
+inline constexpr std::uint32_t table_chunk_rows = 16;
+
+// The smallest cap a dynamic table accepts: each stripe's index of 16
+// entries, two chunks of records, and the admission sketch.
+inline std::uint64_t table_minimum_bytes(std::size_t dim, std::size_t slots, const TableOptions& o) {
+  const std::uint64_t record = (std::uint64_t{dim} * sizeof(float) * (1 + slots) + 7) / 8 * 8 + 3 * sizeof(std::uint64_t);
+  const std::uint64_t sketch = o.admission.kind == Admission::Kind::after_pushes
+                                   ? std::uint64_t{o.admission.sketch_width} * o.admission.sketch_depth
+                                   : 0;
+  return sketch + std::uint64_t{o.stripes} * (16 * 16 + 2 * table_chunk_rows * record);
+}
+
+}  // namespace detail
+
+//! One server's part of a dynamic table, updated by optimizer type `O`.
+//! Every member may be called from any number of threads at once.
+template <Optimizer O>
+class DynamicTable {
+ public:
+  //! Throws config_error when the memory cap is below the table's minimum.
+  DynamicTable(std::string name, std::size_t dim, const Initializer& init, const TableOptions& options,
+               const O& optimizer)
+      : name_(std::move(name)),
+        dim_(dim),
+        slots_(optimizer.slots()),
+        record_floats_(dim * (1 + optimizer.slots())),
+        init_(init),
+        options_(options),
+        stripes_(std::make_unique<Stripe[]>(options.stripes)),
+        stripe_shift_(64 - std::countr_zero(options.stripes)) {
+    for (std::size_t k = 0; k < slots_; ++k) slot_init_.push_back(initial_slot(optimizer, k));
+    if (options.admission.kind == Admission::Kind::after_pushes)
+      sketch_ = detail::PushSketch(options.admission.sketch_width, options.admission.sketch_depth);
+    stride_ = sizeof(RowMeta) + (record_floats_ * sizeof(float) + 7) / 8 * 8;
+    chunk_bytes_ = std::uint64_t{detail::table_chunk_rows} * stride_;
+    if (options.memory_cap_bytes != 0) {
+      const std::uint64_t minimum = detail::table_minimum_bytes(dim, slots_, options);
+      if (options.memory_cap_bytes < minimum)
+        throw config_error("psx: dynamic table '" + name_ + "': memory_cap_bytes " +
+                           std::to_string(options.memory_cap_bytes) + " is below its minimum of " +
+                           std::to_string(minimum) + " (dim " + std::to_string(dim) + ", " + std::to_string(slots_) +
+                           " optimizer slots, " + std::to_string(options.stripes) + " stripes)");
+      stripe_budget_ = (options.memory_cap_bytes - sketch_.bytes()) / options.stripes;
+    }
+    for (std::uint32_t s = 0; s < options.stripes; ++s) {
+      stripes_[s].index.assign(16, Entry{});
+      add_bytes(stripes_[s], 16 * sizeof(Entry));
+    }
+    bytes_.fetch_add(sketch_.bytes(), std::memory_order_relaxed);
+    removal_limit_ = std::max<std::uint64_t>(1, options.removal_log_limit / options.stripes);
+    const std::uint64_t ttl = options.ttl_steps;
+    sweep_every_ = options.ttl_sweep_steps ? options.ttl_sweep_steps : std::max<std::uint64_t>(1, ttl / 16);
+  }
+
+  DynamicTable(const DynamicTable&) = delete;
+  DynamicTable& operator=(const DynamicTable&) = delete;
+
+  const std::string& name() const noexcept { return name_; }
+  std::size_t dim() const noexcept { return dim_; }
+  //! Changes so far (updates, admissions and removals each count one).
+  std::uint64_t version() const noexcept { return version_.load(std::memory_order_acquire); }
+  //! Ids stored now.
+  std::size_t size() const noexcept { return static_cast<std::size_t>(rows_.load(std::memory_order_relaxed)); }
+
+  //! Copies the rows of `ids` into rows `positions[j]` (or `j`) of `out`:
+  //! stored rows as they are, other ids their initial value. `step` (the
+  //! global step) marks the stored rows as used for the LRU eviction.
+  void pull(std::span<const std::uint64_t> ids, std::span<const std::uint32_t> positions, std::span<float> out,
+            std::uint64_t step) const {
+    auto dst = [&](std::size_t j) { return out.data() + (positions.empty() ? j : positions[j]) * dim_; };
+    std::vector<std::uint32_t> unseen;
+    const Batch batch = group(ids);
+    for (std::uint32_t s = 0; s < options_.stripes; ++s) {
+      const std::uint32_t first = batch.start[s], last = batch.start[s + 1];
+      if (first == last) continue;
+      const Stripe& st = stripes_[s];
+      std::shared_lock lock(st.mu);
+      prefetch_group(st, ids, batch, first, last);
+      for (std::uint32_t k = first; k < last; ++k) {
+        const std::uint32_t j = batch.order[k];
+        const std::uint32_t slot = find(st, ids[j], batch.hash[j]);
+        if (slot == empty_slot) {
+          unseen.push_back(j);
+          continue;
+        }
+        std::memcpy(dst(j), record(st, slot), dim_ * sizeof(float));
+        touch(meta(st, slot).used, step);
+      }
+    }
+    for (const std::uint32_t j : unseen) init_.fill_row(name_, ids[j], std::span<float>(dst(j), dim_));
+  }
+
+  //! Whether `id` is stored.
+  bool contains(std::uint64_t id) const {
+    const std::uint64_t h = hash(id);
+    const Stripe& st = stripe(h);
+    std::shared_lock lock(st.mu);
+    return find(st, id, h) != empty_slot;
+  }
+
+  //! Applies summed gradient rows (each id once) with `optimizer` at
+  //! `ctx.global_step`: admits ids not stored, updates their row and slots,
+  //! then runs the time-to-live sweep when one is due.
+  void apply(const O& optimizer, const detail::RowAccumulator& rows, const UpdateContext& ctx) {
+    std::vector<float*> bases(slots_);
+    const std::uint64_t step = ctx.global_step;
+    const Batch batch = group(rows.rows());
+    for (std::uint32_t s = 0; s < options_.stripes; ++s) {
+      const std::uint32_t first = batch.start[s], last = batch.start[s + 1];
+      if (first == last) continue;
+      Stripe& st = stripes_[s];
+      std::unique_lock lock(st.mu);
+      prefetch_group(st, rows.rows(), batch, first, last);
+      for (std::uint32_t i = first; i < last; ++i) {
+        const std::uint32_t k = batch.order[i];
+        apply_row(optimizer, st, rows.rows()[k], batch.hash[k], rows.row_data(k), bases, ctx);
+      }
+    }
+    sweep_if_due(step);
+  }
+
+  //! Sums the gradient rows of repeated ids, then applies them (`apply`).
+  void push(const O& optimizer, std::span<const std::uint64_t> ids, std::span<const float> grads,
+            const UpdateContext& ctx) {
+    if (grads.size() != ids.size() * dim_)
+      throw shape_error("psx: dynamic table '" + name_ + "': a push of " + std::to_string(ids.size()) + " ids of dim " +
+                        std::to_string(dim_) + " needs " + std::to_string(ids.size() * dim_) + " floats, got " +
+                        std::to_string(grads.size()));
+    detail::RowAccumulator sum(dim_);
+    for (std::size_t j = 0; j < ids.size(); ++j) sum.add(ids[j], grads.data() + j * dim_);
+    apply(optimizer, sum, ctx);
+  }
+
+  //! Evicts the rows not updated within `ttl_steps` of global step `now`
+  //! (every row updated at `u` with `u + ttl_steps < now`); returns how many.
+  std::size_t expire(std::uint64_t now) {
+    if (options_.ttl_steps == 0) return 0;
+    std::size_t evicted = 0;
+    std::vector<std::uint64_t> old;
+    for (std::uint32_t s = 0; s < options_.stripes; ++s) {
+      Stripe& st = stripes_[s];
+      std::unique_lock lock(st.mu);
+      old.clear();
+      for (const Entry& e : st.index)
+        if (e.slot != empty_slot && meta(st, e.slot).updated + options_.ttl_steps < now) old.push_back(e.key);
+      for (const std::uint64_t id : old) erase(st, id);
+      evicted += old.size();
+    }
+    evicted_ttl_.fetch_add(evicted, std::memory_order_relaxed);
+    return evicted;
+  }
+
+  //! Every stored row (`since` empty), or the rows changed after version
+  //! `since` and the ids removed after it; the cursor is the version it is
+  //! complete up to. A delta from before the oldest removal remembered
+  //! throws checkpoint_error (take a full export instead).
+  TableExport export_rows(std::optional<std::uint64_t> since = std::nullopt) const {
+    TableExport out;
+    out.dim = dim_;
+    // Read first: a change that any stripe shows later has a higher version,
+    // so the next delta from this cursor has it.
+    out.cursor = {version()};
+    for (std::uint32_t s = 0; s < options_.stripes; ++s) {
+      const Stripe& st = stripes_[s];
+      std::shared_lock lock(st.mu);
+      if (since && *since < st.removed_floor)
+        throw checkpoint_error("psx: dynamic table '" + name_ + "': a delta since version " + std::to_string(*since) +
+                               ", but removals up to version " + std::to_string(st.removed_floor) +
+                               " are forgotten (removal_log_limit); take a full export");
+      for (const Entry& e : st.index) {
+        if (e.slot == empty_slot || (since && meta(st, e.slot).version <= *since)) continue;
+        out.ids.push_back(e.key);
+        const float* w = record(st, e.slot);
+        out.values.insert(out.values.end(), w, w + dim_);
+      }
+      if (since)
+        for (const auto& [id, v] : st.removed)
+          if (v > *since) out.removed.push_back(id);
+    }
+    return out;
+  }
+
+  //! The counters and memory now.
+  TableStats stats() const noexcept {
+    auto get = [](const std::atomic<std::uint64_t>& a) { return a.load(std::memory_order_relaxed); };
+    TableStats s;
+    s.rows = get(rows_);
+    s.bytes = get(bytes_);
+    s.ideal_row_bytes = record_floats_ * sizeof(float);
+    s.admitted = get(admitted_);
+    s.refused = get(refused_);
+    s.evicted_ttl = get(evicted_ttl_);
+    s.evicted_memory = get(evicted_memory_);
+    s.removal_log = get(removals_);
+    s.removal_log_bytes = s.removal_log * removal_entry_bytes;
+    return s;
+  }
+
+ private:
+  static constexpr std::uint32_t empty_slot = 0xffffffffu;
+  // An unordered_map node with its bucket: what one remembered removal costs.
+  static constexpr std::uint64_t removal_entry_bytes = 48;
+
+  struct Entry {
+    std::uint64_t key = 0;
+    std::uint32_t slot = empty_slot;
+  };
+  struct RowMeta {
+    std::uint64_t version = 0;                   // of its last change
+    std::uint64_t updated = 0;                   // global step of its last update
+    mutable std::atomic<std::uint64_t> used{0};  // global step of its last pull or push
+  };
+  static_assert(sizeof(RowMeta) % alignof(float) == 0 && alignof(RowMeta) <= __STDCPP_DEFAULT_NEW_ALIGNMENT__);
+  struct Stripe {
+    mutable std::shared_mutex mu;
+    std::vector<Entry> index;  // a power of two, at most 3/4 full
+    std::size_t count = 0;
+    std::vector<std::unique_ptr<std::byte[]>> chunks;  // table_chunk_rows records each
+    std::vector<std::uint32_t> free;
+    std::uint64_t bytes = 0;  // index and chunks: what the stripe's budget bounds
+    std::unordered_map<std::uint64_t, std::uint64_t> removed;  // id -> version of its removal
+    std::uint64_t removed_floor = 0;  // removals up to this version are forgotten
+  };
+
+  // One stored id's update (under its stripe's lock), admitting it first when it is not stored.
+  void apply_row(const O& optimizer, Stripe& st, std::uint64_t id, std::uint64_t h, const float* g,
+                 std::vector<float*>& bases, const UpdateContext& ctx) {
+    const std::uint64_t step = ctx.global_step;
+    std::uint32_t slot = find(st, id, h);
+    if (slot == empty_slot) {
+      if (!admit(id, step)) {
+        refused_.fetch_add(1, std::memory_order_relaxed);
+        return;
+      }
+      slot = insert(st, id, h);
+      float* w = record(st, slot);
+      init_.fill_row(name_, id, std::span<float>(w, dim_));
+      for (std::size_t s = 0; s < slots_; ++s) std::fill_n(w + (1 + s) * dim_, dim_, slot_init_[s]);
+      RowMeta& m = meta(st, slot);
+      m.updated = step;
+      m.used.store(step, std::memory_order_relaxed);
+      if (!st.removed.empty() && st.removed.erase(id)) sub_removal(1);
+      admitted_.fetch_add(1, std::memory_order_relaxed);
+    }
+    float* w = record(st, slot);
+    for (std::size_t s = 0; s < slots_; ++s) bases[s] = w + (1 + s) * dim_;
+    optimizer.update(std::span<float>(w, dim_), std::span<const float>(g, dim_), SlotView(bases.data(), slots_, 0, dim_),
+                     ctx);
+    RowMeta& m = meta(st, slot);
+    m.version = next_version();
+    m.updated = std::max(m.updated, step);
+    touch(m.used, step);
+  }
+
+  // The ids of one call grouped by stripe (a counting sort), so that each
+  // stripe is locked once per call: ids `order[start[s]..start[s+1])` are
+  // stripe s's, with their hashes.
+  struct Batch {
+    std::vector<std::uint64_t> hash;
+    std::vector<std::uint32_t> order;
+    std::vector<std::uint32_t> start;
+  };
+
+  Batch group(std::span<const std::uint64_t> ids) const {
+    Batch b;
+    const std::size_t n = ids.size();
+    b.hash.resize(n);
+    b.order.resize(n);
+    b.start.assign(std::size_t{options_.stripes} + 1, 0);
+    for (std::size_t j = 0; j < n; ++j) {
+      b.hash[j] = hash(ids[j]);
+      ++b.start[stripe_of(b.hash[j]) + 1];
+    }
+    for (std::uint32_t s = 0; s < options_.stripes; ++s) b.start[s + 1] += b.start[s];
+    std::vector<std::uint32_t> next(b.start.begin(), b.start.end() - 1);
+    for (std::size_t j = 0; j < n; ++j) b.order[next[stripe_of(b.hash[j])]++] = static_cast<std::uint32_t>(j);
+    return b;
+  }
+
+  // Random lookups are bound by memory latency: ask for every index entry
+  // of a stripe's group at once, then for the records they name, so that
+  // the misses overlap instead of following one another (the caller holds
+  // the stripe's lock; the lookups that follow find it all in cache).
+  void prefetch_group(const Stripe& st, std::span<const std::uint64_t> ids, const Batch& batch, std::uint32_t first,
+                      std::uint32_t last) const noexcept {
+    const std::size_t mask = st.index.size() - 1;
+    for (std::uint32_t k = first; k < last; ++k) __builtin_prefetch(&st.index[batch.hash[batch.order[k]] & mask]);
+    for (std::uint32_t k = first; k < last; ++k) {
+      const std::uint32_t j = batch.order[k];
+      const std::uint32_t slot = find(st, ids[j], batch.hash[j]);
+      if (slot != empty_slot) __builtin_prefetch(record_bytes(st, slot));
+    }
+  }
+
+  static std::uint64_t hash(std::uint64_t id) noexcept { return detail::mix64(id ^ 0x9e6c63d0676a9a99ull); }
+  std::size_t stripe_of(std::uint64_t h) const noexcept { return stripe_shift_ == 64 ? 0 : h >> stripe_shift_; }
+  Stripe& stripe(std::uint64_t h) const noexcept { return stripes_[stripe_of(h)]; }
+
+  static void touch(std::atomic<std::uint64_t>& used, std::uint64_t step) noexcept {
+    if (used.load(std::memory_order_relaxed) < step) used.store(step, std::memory_order_relaxed);
+  }
+
+  // A record: the row's RowMeta, then its parameters and slots, so one
+  // cache line holds the bookkeeping and the row's first floats.
+  std::byte* record_bytes(const Stripe& st, std::uint32_t slot) const noexcept {
+    return st.chunks[slot / detail::table_chunk_rows].get() + std::size_t{slot % detail::table_chunk_rows} * stride_;
+  }
+  float* record(const Stripe& st, std::uint32_t slot) const noexcept {
+    return reinterpret_cast<float*>(record_bytes(st, slot) + sizeof(RowMeta));
+  }
+  RowMeta& meta(const Stripe& st, std::uint32_t slot) const noexcept {
+    return *std::launder(reinterpret_cast<RowMeta*>(record_bytes(st, slot)));
+  }
+
+  static std::uint32_t find(const Stripe& st, std::uint64_t id, std::uint64_t h) noexcept {
+    const std::size_t mask = st.index.size() - 1;
+    for (std::size_t i = h & mask;; i = (i + 1) & mask) {
+      const Entry& e = st.index[i];
+      if (e.slot == empty_slot) return empty_slot;
+      if (e.key == id) return e.slot;
+    }
+  }
+
+  std::uint64_t next_version() noexcept { return version_.fetch_add(1, std::memory_order_acq_rel) + 1; }
+
+  bool admit(std::uint64_t id, std::uint64_t step) noexcept {
+    const Admission& a = options_.admission;
+    switch (a.kind) {
+      case Admission::Kind::always: return true;
+      case Admission::Kind::after_pushes: return sketch_.add(id) >= a.pushes;
+      case Admission::Kind::probability:
+        return detail::uniform01(detail::mix64(a.seed ^ id), step) < a.probability;
+    }
+    return true;
+  }
+
+  void add_bytes(Stripe& st, std::uint64_t n) noexcept {
+    st.bytes += n;
+    bytes_.fetch_add(n, std::memory_order_relaxed);
+  }
+  bool fits(const Stripe& st, std::uint64_t more) const noexcept {
+    return stripe_budget_ == 0 || st.bytes + more <= stripe_budget_;
+  }
+
+  // A free record slot and an index entry for `id` (not stored), evicting
+  // the stripe's least recently used rows where the cap allows no growth.
+  std::uint32_t insert(Stripe& st, std::uint64_t id, std::uint64_t h) {
+    if ((st.count + 1) * 4 > st.index.size() * 3) {
+      if (fits(st, st.index.size() * sizeof(Entry))) grow_index(st);
+      else evict_lru(st);
+    }
+    if (st.free.empty()) {
+      if (fits(st, chunk_bytes_)) add_chunk(st);
+      else evict_lru(st);
+    }
+    const std::uint32_t slot = st.free.back();
+    st.free.pop_back();
+    const std::size_t mask = st.index.size() - 1;
+    std::size_t i = h & mask;
+    while (st.index[i].slot != empty_slot) i = (i + 1) & mask;
+    st.index[i] = Entry{id, slot};
+    ++st.count;
+    rows_.fetch_add(1, std::memory_order_relaxed);
+    return slot;
+  }
+
+  void grow_index(Stripe& st) {
+    std::vector<Entry> bigger(st.index.size() * 2);
+    const std::size_t mask = bigger.size() - 1;
+    for (const Entry& e : st.index) {
+      if (e.slot == empty_slot) continue;
+      std::size_t i = hash(e.key) & mask;
+      while (bigger[i].slot != empty_slot) i = (i + 1) & mask;
+      bigger[i] = e;
+    }
+    add_bytes(st, st.index.size() * sizeof(Entry));
+    st.index.swap(bigger);
+  }
+
+  void add_chunk(Stripe& st) {
+    const auto first = static_cast<std::uint64_t>(st.chunks.size()) * detail::table_chunk_rows;
+    if (first + detail::table_chunk_rows > empty_slot)
+      throw std::length_error("psx: dynamic table '" + name_ + "': more than 2^32 - 1 rows in one stripe");
+    st.chunks.push_back(std::make_unique<std::byte[]>(std::size_t{detail::table_chunk_rows} * stride_));
+    for (std::uint32_t k = 0; k < detail::table_chunk_rows; ++k)
+      new (st.chunks.back().get() + std::size_t{k} * stride_) RowMeta{};
+    for (std::uint32_t k = detail::table_chunk_rows; k-- > 0;) st.free.push_back(static_cast<std::uint32_t>(first + k));
+    add_bytes(st, chunk_bytes_);
+  }
+
+  // Removes a sixteenth of the stripe's rows (at least one), least recently
+  // used first (ties: smaller id first).
+  void evict_lru(Stripe& st) {
+    std::vector<std::pair<std::uint64_t, std::uint64_t>> by_use;  // (used, id)
+    by_use.reserve(st.count);
+    for (const Entry& e : st.index)
+      if (e.slot != empty_slot) by_use.emplace_back(meta(st, e.slot).used.load(std::memory_order_relaxed), e.key);
+    const std::size_t n = std::min(by_use.size(), std::max<std::size_t>(1, by_use.size() / 16));
+    std::nth_element(by_use.begin(), by_use.begin() + static_cast<std::ptrdiff_t>(n - 1), by_use.end());
+    for (std::size_t k = 0; k < n; ++k) erase(st, by_use[k].second);
+    evicted_memory_.fetch_add(n, std::memory_order_relaxed);
+  }
+
+  // Removes stored `id`: backward-shift deletion keeps every probe chain
+  // unbroken without tombstones; the removal is versioned and remembered.
+  void erase(Stripe& st, std::uint64_t id) {
+    const std::size_t mask = st.index.size() - 1;
+    std::size_t i = hash(id) & mask;
+    while (st.index[i].key != id || st.index[i].slot == empty_slot) i = (i + 1) & mask;
+    st.free.push_back(st.index[i].slot);
+    for (std::size_t j = (i + 1) & mask; st.index[j].slot != empty_slot; j = (j + 1) & mask) {
+      const std::size_t home = hash(st.index[j].key) & mask;
+      // Entry j may move back to i when its home is not in (i, j] (cyclically).
+      const bool stays = i <= j ? (i < home && home <= j) : (i < home || home <= j);
+      if (stays) continue;
+      st.index[i] = st.index[j];
+      i = j;
+    }
+    st.index[i] = Entry{};
+    --st.count;
+    rows_.fetch_sub(1, std::memory_order_relaxed);
+    const std::uint64_t v = next_version();
+    if (options_.removal_log_limit == 0) return;
+    if (st.removed.insert_or_assign(id, v).second) add_removal(1);
+    if (st.removed.size() > removal_limit_) forget_removals(st);
+  }
+
+  // Forgets the older half of a stripe's removal log.
+  void forget_removals(Stripe& st) {
+    std::vector<std::uint64_t> versions;
+    versions.reserve(st.removed.size());
+    for (const auto& [id, v] : st.removed) versions.push_back(v);
+    const auto mid = versions.begin() + static_cast<std::ptrdiff_t>(versions.size() / 2);
+    std::nth_element(versions.begin(), mid, versions.end());
+    const std::uint64_t floor = *mid;
+    const std::size_t before = st.removed.size();
+    std::erase_if(st.removed, [&](const auto& kv) { return kv.second <= floor; });
+    st.removed_floor = std::max(st.removed_floor, floor);
+    sub_removal(before - st.removed.size());
+  }
+
+  void add_removal(std::uint64_t n) noexcept { removals_.fetch_add(n, std::memory_order_relaxed); }
+  void sub_removal(std::uint64_t n) noexcept { removals_.fetch_sub(n, std::memory_order_relaxed); }
+
+  void sweep_if_due(std::uint64_t step) {
+    if (options_.ttl_steps == 0) return;
+    std::uint64_t due = next_sweep_.load(std::memory_order_relaxed);
+    if (step < due || !next_sweep_.compare_exchange_strong(due, step + sweep_every_, std::memory_order_relaxed))
+      return;
+    expire(step);
+  }
+
+  std::string name_;
+  std::size_t dim_;
+  std::size_t slots_;
+  std::size_t record_floats_;
+  Initializer init_;
+  TableOptions options_;
+  std::vector<float> slot_init_;
+  detail::PushSketch sketch_;
+  std::unique_ptr<Stripe[]> stripes_;
+  int stripe_shift_;
+  std::size_t stride_ = 0;  // bytes per record
+  std::uint64_t chunk_bytes_ = 0;
+  std::uint64_t stripe_budget_ = 0;  // 0: no cap
+  std::uint64_t removal_limit_ = 1;  // per stripe
+  std::uint64_t sweep_every_ = 1;
+  std::atomic<std::uint64_t> next_sweep_{0};
+  std::atomic<std::uint64_t> version_{0};
+  std::atomic<std::uint64_t> rows_{0}, bytes_{0}, admitted_{0}, refused_{0}, evicted_ttl_{0}, evicted_memory_{0},
+      removals_{0};
+};
+
+}  // namespace v0
+}  // namespace psx

@@ -1,0 +1,567 @@
+// Dynamic embedding tables (psx/embedding.hpp): initial values of unseen
+// ids, admission, eviction, memory cap, delta export, consistent hashing,
+// the table under 8 threads, and the table inside a cluster.
+#include <psx/psx.hpp>
+
+#include <doctest/doctest.h>
+
+#include "../support.hpp"
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <set>
+#include <sstream>
+#include <thread>
+#include <vector>
+
+namespace {
+
+using psx::Admission;
+using psx::DynamicTable;
+using psx::TableOptions;
+using psx::UpdateContext;
+
+constexpr std::uint64_t max_id = std::numeric_limits<std::uint64_t>::max();
+
+UpdateContext at_step(std::uint64_t step) { return UpdateContext{step, 1.0, nullptr, step, true}; }
+
+// One gradient row per id, every element `g`.
+void push(DynamicTable<psx::optim::SGD>& t, const psx::optim::SGD& o, std::vector<std::uint64_t> ids, float g,
+          std::uint64_t step, std::size_t dim) {
+  std::vector<float> grads(ids.size() * dim, g);
+  t.push(o, ids, grads, at_step(step));
+}
+
+std::vector<float> pull(const DynamicTable<psx::optim::SGD>& t, std::uint64_t id, std::size_t dim,
+                        std::uint64_t step = 0) {
+  std::vector<float> out(dim);
+  const std::uint64_t ids[] = {id};
+  t.pull(ids, {}, out, step);
+  return out;
+}
+
+std::vector<float> initial(const psx::Initializer& init, const char* name, std::uint64_t id, std::size_t dim) {
+  std::vector<float> out(dim);
+  init.fill_row(name, id, out);
+  return out;
+}
+
+// The inverse of splitmix64's finalizer (detail::mix64): the id whose hash is `h`.
+std::uint64_t unmix64(std::uint64_t z) {
+  auto inverse = [](std::uint64_t a) {  // a * inverse == 1 (mod 2^64), Newton's iteration
+    std::uint64_t x = a;
+    for (int i = 0; i < 6; ++i) x *= 2 - a * x;
+    return x;
+  };
+  z ^= z >> 31 ^ z >> 62;
+  z *= inverse(0x94d049bb133111ebull);
+  z ^= z >> 27 ^ z >> 54;
+  z *= inverse(0xbf58476d1ce4e5b9ull);
+  z ^= z >> 30 ^ z >> 60;
+  return z - 0x9e3779b97f4a7c15ull;
+}
+
+}  // namespace
+
+TEST_CASE("embedding: an unseen id pulls its initial value, deterministic per id and seed, and stores nothing") {
+  const auto init = psx::Initializer::normal(0.0f, 0.5f, 11);
+  DynamicTable<psx::optim::SGD> t("emb", 8, init, {}, {});
+  for (const std::uint64_t id : {std::uint64_t{0}, std::uint64_t{1}, std::uint64_t{42}, max_id}) {
+    CHECK(pull(t, id, 8) == initial(init, "emb", id, 8));
+    CHECK(pull(t, id, 8) == pull(t, id, 8));
+  }
+  CHECK(pull(t, 1, 8) != pull(t, 2, 8));
+  CHECK(initial(psx::Initializer::normal(0.0f, 0.5f, 12), "emb", 1, 8) != initial(init, "emb", 1, 8));
+  CHECK(initial(init, "other", 1, 8) != initial(init, "emb", 1, 8));
+  CHECK(t.size() == 0);
+  CHECK(t.stats().admitted == 0);
+  CHECK(!t.contains(0));
+  // The values follow the distribution: mean 0, standard deviation 0.5.
+  double sum = 0, squares = 0;
+  for (std::uint64_t id = 0; id < 4000; ++id)
+    for (float x : initial(init, "emb", id * 0x9e3779b97f4a7c15ull, 8)) {
+      sum += x;
+      squares += double{x} * x;
+    }
+  CHECK(std::abs(sum / 32000) < 0.02);
+  CHECK(std::sqrt(squares / 32000) == doctest::Approx(0.5).epsilon(0.03));
+}
+
+TEST_CASE("embedding: rows carry their own optimizer slots") {
+  const psx::optim::Adagrad opt{.lr = 0.5, .lr_decay = 0.0, .weight_decay = 0.0, .initial_accumulator_value = 0.25};
+  const auto init = psx::Initializer::uniform(-1.0f, 1.0f, 3);
+  DynamicTable<psx::optim::Adagrad> t("emb", 4, init, {}, opt);
+  // Reference: the optimizer on a row and slot of our own.
+  std::vector<float> w = initial(init, "emb", 9, 4), acc(4, 0.25f);
+  float* bases[] = {acc.data()};
+  const std::vector<float> g1{0.1f, -0.2f, 0.3f, 0.0f}, g2{1.0f, 1.0f, -1.0f, 2.0f};
+  const std::uint64_t ids[] = {9};
+  for (std::uint64_t step = 1; step <= 2; ++step) {
+    const auto& g = step == 1 ? g1 : g2;
+    t.push(opt, ids, g, at_step(step));
+    opt.update(w, g, psx::SlotView(bases, 1, 0, 4), at_step(step));
+  }
+  std::vector<float> got(4);
+  t.pull(ids, {}, got, 3);
+  CHECK(got == w);
+  // Another id starts from its own initial value and a fresh accumulator.
+  const std::uint64_t other[] = {10};
+  t.push(opt, other, g1, at_step(3));
+  std::vector<float> w2 = initial(init, "emb", 10, 4), acc2(4, 0.25f);
+  float* bases2[] = {acc2.data()};
+  opt.update(w2, g1, psx::SlotView(bases2, 1, 0, 4), at_step(3));
+  t.pull(other, {}, got, 3);
+  CHECK(got == w2);
+  CHECK(t.stats().rows == 2);
+  CHECK(t.stats().ideal_row_bytes == 4 * 4 * 2);
+}
+
+TEST_CASE("embedding: admission after n pushes stores an id at its n-th push") {
+  const psx::optim::SGD sgd{.lr = 1.0};
+  TableOptions o;
+  o.admission = Admission::after_pushes(3, 1u << 12, 4);
+  const auto init = psx::Initializer::constant(1.0f);
+  DynamicTable<psx::optim::SGD> t("emb", 2, init, o, sgd);
+  // Two pushes in one call count once: the call's rows are summed first.
+  push(t, sgd, {7, 7}, 0.5f, 1, 2);
+  CHECK(!t.contains(7));
+  CHECK(pull(t, 7, 2) == std::vector<float>{1.0f, 1.0f});
+  push(t, sgd, {7, 8}, 0.5f, 2, 2);
+  CHECK(!t.contains(7));
+  CHECK(!t.contains(8));
+  CHECK(t.stats().refused == 3);
+  push(t, sgd, {7}, 0.25f, 3, 2);  // the third push: stored, and this gradient applied
+  CHECK(t.contains(7));
+  CHECK(pull(t, 7, 2) == std::vector<float>{0.75f, 0.75f});
+  CHECK(!t.contains(8));
+  push(t, sgd, {7}, 0.25f, 4, 2);
+  CHECK(pull(t, 7, 2) == std::vector<float>{0.5f, 0.5f});
+  const psx::TableStats s = t.stats();
+  CHECK(s.admitted == 1);
+  CHECK(s.refused == 3);
+  CHECK(s.rows == 1);
+}
+
+TEST_CASE("embedding: admission with probability p, the same coins for the same seed") {
+  const psx::optim::SGD sgd{.lr = 1.0};
+  TableOptions o;
+  o.admission = Admission::with_probability(0.25, 5);
+  DynamicTable<psx::optim::SGD> a("emb", 1, {}, o, sgd), b("emb", 1, {}, o, sgd);
+  std::vector<std::uint64_t> ids(20000);
+  for (std::size_t k = 0; k < ids.size(); ++k) ids[k] = psx::detail::mix64(k);
+  push(a, sgd, ids, 1.0f, 1, 1);
+  push(b, sgd, ids, 1.0f, 1, 1);
+  const double admitted = static_cast<double>(a.size()) / static_cast<double>(ids.size());
+  CHECK(admitted == doctest::Approx(0.25).epsilon(0.08));
+  for (const std::uint64_t id : ids) REQUIRE(a.contains(id) == b.contains(id));
+  CHECK(a.stats().refused == ids.size() - a.size());
+  // Each later push flips a new coin: a quarter of the refused get in.
+  const std::size_t before = a.size();
+  push(a, sgd, ids, 1.0f, 2, 1);
+  const double second = static_cast<double>(a.size() - before) / static_cast<double>(ids.size() - before);
+  CHECK(second == doctest::Approx(0.25).epsilon(0.08));
+}
+
+TEST_CASE("embedding: rows not updated within the time to live are evicted") {
+  const psx::optim::SGD sgd{.lr = 1.0};
+  TableOptions o;
+  o.ttl_steps = 3;
+  o.ttl_sweep_steps = 1;
+  DynamicTable<psx::optim::SGD> t("emb", 2, psx::Initializer::constant(2.0f), o, sgd);
+  push(t, sgd, {1, 2}, 1.0f, 1, 2);  // both updated at step 1
+  for (std::uint64_t step = 2; step <= 4; ++step) {
+    push(t, sgd, {1}, 0.0f, step, 2);  // id 1 stays fresh; pulls do not renew id 2
+    (void)pull(t, 2, 2, step);
+    CHECK(t.contains(2));  // 1 + 3 < step is false up to step 4
+  }
+  push(t, sgd, {1}, 0.0f, 5, 2);
+  CHECK(!t.contains(2));
+  CHECK(t.contains(1));
+  CHECK(pull(t, 2, 2) == std::vector<float>{2.0f, 2.0f});  // back to its initial value
+  CHECK(t.stats().evicted_ttl == 1);
+  CHECK(t.stats().evicted_memory == 0);
+  // An explicit sweep far later takes the rest.
+  CHECK(t.expire(100) == 1);
+  CHECK(t.size() == 0);
+}
+
+TEST_CASE("embedding: an endless stream of new ids stays under the memory cap, least recently used out first") {
+  const psx::optim::Adagrad opt{};
+  TableOptions o;
+  o.stripes = 4;
+  o.memory_cap_bytes = 256 << 10;
+  DynamicTable<psx::optim::Adagrad> t("emb", 16, {}, o, opt);
+  std::vector<std::uint64_t> hot(40);
+  for (std::size_t k = 0; k < hot.size(); ++k) hot[k] = max_id - k;
+  std::vector<float> out(hot.size() * 16);
+  std::uint64_t next = 0;
+  std::uint64_t most = 0;
+  for (std::uint64_t step = 1; step <= 400; ++step) {
+    std::vector<std::uint64_t> ids(hot);
+    for (int k = 0; k < 500; ++k) ids.push_back(next++);
+    std::vector<float> g(ids.size() * 16, 0.1f);
+    t.push(opt, ids, g, at_step(step));
+    t.pull(hot, {}, out, step);
+    const psx::TableStats s = t.stats();
+    REQUIRE(s.bytes <= o.memory_cap_bytes);
+    most = std::max(most, s.rows);
+  }
+  const psx::TableStats s = t.stats();
+  CHECK(s.admitted == next + hot.size());
+  CHECK(s.evicted_memory == s.admitted - s.rows);
+  CHECK(s.evicted_memory > 150000);
+  CHECK(s.rows > 500);  // the cap holds more than one step's rows
+  for (const std::uint64_t id : hot) CHECK(t.contains(id));  // used every step: never the least recent
+  CHECK(t.contains(next - 1));
+  CHECK(!t.contains(0));
+  CHECK(s.bytes_per_row() < 2.0 * static_cast<double>(s.ideal_row_bytes));
+  MESSAGE("cap " << o.memory_cap_bytes << " B: " << s << ", at most " << most << " rows");
+}
+
+TEST_CASE("embedding: a full export plus its deltas equals the full export at the end") {
+  const psx::optim::SGD sgd{.lr = 0.5};
+  TableOptions o;
+  o.stripes = 8;
+  o.ttl_steps = 4;
+  o.ttl_sweep_steps = 1;
+  o.admission = Admission::after_pushes(2, 1u << 12, 3);
+  DynamicTable<psx::optim::SGD> t("emb", 3, psx::Initializer::uniform(-1.0f, 1.0f, 1), o, sgd);
+  psx::TableExport serving = t.export_rows();
+  CHECK(serving.ids.empty());
+  std::uint64_t deltas_with_removals = 0;
+  for (std::uint64_t step = 1; step <= 60; ++step) {
+    std::vector<std::uint64_t> ids;
+    for (std::uint64_t k = 0; k < 30; ++k) ids.push_back(psx::detail::mix64(step * 7 + k % 11) % 97);
+    ids.push_back(max_id);
+    ids.push_back(0);
+    push(t, sgd, ids, static_cast<float>(step % 5) - 2.0f, step, 3);
+    if (step % 3 == 0) {
+      const psx::TableExport delta = t.export_rows(serving.cursor.front());
+      deltas_with_removals += !delta.removed.empty();
+      serving.merge(delta);
+    }
+  }
+  serving.merge(t.export_rows(serving.cursor.front()));
+  const psx::TableExport full = t.export_rows();
+  CHECK(serving.sorted() == full.sorted());
+  CHECK(full.ids.size() == t.size());
+  CHECK(deltas_with_removals > 0);
+  CHECK(t.stats().evicted_ttl > 0);
+  // Nothing changed since: an empty delta.
+  const psx::TableExport none = t.export_rows(full.cursor.front());
+  CHECK(none.ids.empty());
+  CHECK(none.removed.empty());
+}
+
+TEST_CASE("embedding: a delta from before the forgotten removals is refused") {
+  const psx::optim::SGD sgd{.lr = 1.0};
+  TableOptions o;
+  o.stripes = 1;
+  o.ttl_steps = 1;
+  o.ttl_sweep_steps = 1;
+  o.removal_log_limit = 8;
+  DynamicTable<psx::optim::SGD> t("emb", 1, {}, o, sgd);
+  const std::uint64_t start = t.version();
+  for (std::uint64_t step = 1; step <= 30; ++step) push(t, sgd, {step}, 1.0f, step, 1);  // each evicted two steps later
+  CHECK(t.stats().removal_log <= 8);
+  CHECK_THROWS_AS(t.export_rows(start), psx::checkpoint_error);
+  CHECK_NOTHROW(t.export_rows(t.version()));
+  psx::TableExport a = t.export_rows(), b;
+  b.dim = 2;
+  CHECK_THROWS_AS(a.merge(b), psx::checkpoint_error);
+}
+
+TEST_CASE("embedding: 8 threads pull and push one table at once") {
+  // SGD with a constant gradient subtracts the same number at each update,
+  // so the result is exact whatever the interleaving.
+  const psx::optim::SGD sgd{.lr = 0.25};
+  TableOptions o;
+  o.stripes = 8;
+  DynamicTable<psx::optim::SGD> t("emb", 4, {}, o, sgd);
+  constexpr int threads = 8, steps = 200;
+  std::vector<std::uint64_t> shared{0, 1, 2, max_id};
+  std::atomic<int> wrong{0};
+  std::vector<std::thread> pool;
+  for (int w = 0; w < threads; ++w)
+    pool.emplace_back([&, w] {
+      std::vector<float> out(4 * 40);
+      for (int step = 1; step <= steps; ++step) {
+        std::vector<std::uint64_t> ids(shared);
+        for (std::uint64_t k = 0; k < 20; ++k) ids.push_back((std::uint64_t(w + 1) << 40) + k + std::uint64_t(step % 3) * 20);
+        std::vector<float> g(ids.size() * 4, 0.5f);
+        t.push(sgd, ids, g, at_step(static_cast<std::uint64_t>(step)));
+        t.pull(ids, {}, out, static_cast<std::uint64_t>(step));
+        // A row of this thread's own was last pushed by this thread: its value is known.
+        const float own = -0.125f * static_cast<float>((step + 2) / 3);
+        for (std::size_t k = 0; k < 20; ++k)
+          if (out[(shared.size() + k) * 4] != own) wrong.fetch_add(1);
+        (void)t.export_rows();
+        (void)t.stats();
+      }
+    });
+  for (auto& th : pool) th.join();
+  CHECK(wrong.load() == 0);
+  for (const std::uint64_t id : shared) CHECK(pull(t, id, 4) == std::vector<float>(4, -0.125f * threads * steps));
+  CHECK(t.size() == shared.size() + threads * 60);
+  CHECK(t.stats().admitted == t.size());
+}
+
+TEST_CASE("embedding: 8 threads on a capped, expiring table stay under the cap") {
+  const psx::optim::Adam opt{};
+  TableOptions o;
+  o.stripes = 8;
+  o.memory_cap_bytes = 512 << 10;
+  o.ttl_steps = 20;
+  o.admission = Admission::with_probability(0.9, 1);
+  DynamicTable<psx::optim::Adam> t("emb", 8, psx::Initializer::normal(0.0f, 0.1f), o, opt);
+  std::atomic<std::uint64_t> over{0};
+  std::vector<std::thread> pool;
+  for (int w = 0; w < 8; ++w)
+    pool.emplace_back([&, w] {
+      std::vector<float> out(8 * 300), g(8 * 300, 0.01f);
+      for (std::uint64_t step = 1; step <= 150; ++step) {
+        std::vector<std::uint64_t> ids(300);
+        for (std::size_t k = 0; k < ids.size(); ++k) ids[k] = psx::detail::mix64(step * 1000 + k) % (k < 50 ? 64 : max_id) + std::uint64_t(w) * (k < 50 ? 0 : 1);
+        t.pull(ids, {}, out, step);
+        t.push(opt, ids, g, at_step(step));
+        if (t.stats().bytes > o.memory_cap_bytes) over.fetch_add(1);
+      }
+    });
+  for (auto& th : pool) th.join();
+  const psx::TableStats s = t.stats();
+  CHECK(over.load() == 0);
+  CHECK(s.evicted_memory > 0);
+  CHECK(s.rows == s.admitted - s.evicted_memory - s.evicted_ttl);
+}
+
+TEST_CASE("embedding: ConsistentHash moves about 1/(n+1) of the ids when a server joins") {
+  const psx::partition::ConsistentHash ch;
+  constexpr std::size_t ids = 200000;
+  for (std::size_t n = 1; n <= 16; ++n) {
+    const auto before = ch.ring(n), after = ch.ring(n + 1);
+    std::size_t moved = 0;
+    for (std::size_t k = 0; k < ids; ++k) {
+      const std::uint64_t id = psx::detail::mix64(k + 977);
+      const std::size_t a = before.server(id), b = after.server(id);
+      if (a != b) {
+        ++moved;
+        REQUIRE(b == n);  // ids move only to the new server
+      }
+    }
+    const double want = 1.0 / static_cast<double>(n + 1);
+    CAPTURE(n);
+    CHECK(static_cast<double>(moved) / ids == doctest::Approx(want).epsilon(0.10));
+  }
+  // Whole variables by name, the same way.
+  psx::VariableMeta m;
+  m.name = "w";
+  m.rows = 10;
+  m.row_width = 2;
+  const auto shards = ch.place(m, 5);
+  REQUIRE(shards.size() == 1);
+  CHECK(shards[0].server == ch.ring(5).server(psx::detail::fnv1a64("w")));
+  CHECK(shards[0].rows() == 10);
+  CHECK_THROWS_AS(psx::partition::ConsistentHash{0}.ring(3), psx::config_error);
+}
+
+TEST_CASE("embedding: every 64-bit id maps to exactly one server, at the ring's edges too") {
+  for (std::size_t n = 1; n <= 8; ++n) {
+    const psx::detail::HashRing ring(n, 64);
+    const auto& points = ring.points();
+    const auto& owners = ring.owners();
+    REQUIRE(points.size() == n * 64);
+    REQUIRE(std::is_sorted(points.begin(), points.end()));
+    // The id whose position on the circle is exactly `p`.
+    auto id_at = [](std::uint64_t p) { return unmix64(p) ^ 0x5851f42d4c957f2dull; };
+    CHECK(psx::detail::HashRing::position(id_at(12345)) == 12345);
+    for (std::size_t i = 0; i < points.size(); ++i) {
+      const std::size_t next = i + 1 == points.size() ? 0 : i + 1;
+      REQUIRE(ring.server(id_at(points[i])) == owners[i]);           // on a point: its owner
+      if (points[i] != 0 && (i == 0 || points[i - 1] != points[i] - 1))
+        REQUIRE(ring.server(id_at(points[i] - 1)) == owners[i]);     // just before: the same
+      if (points[i] != max_id) REQUIRE(ring.server(id_at(points[i] + 1)) == owners[next]);  // just after: the next
+    }
+    CHECK(ring.server(id_at(0)) == owners.front());
+    CHECK(ring.server(id_at(max_id)) == (points.back() == max_id ? owners.back() : owners.front()));
+    for (const std::uint64_t id : {std::uint64_t{0}, std::uint64_t{1}, std::uint64_t{1} << 63, max_id - 1, max_id})
+      CHECK(ring.server(id) < n);
+    std::vector<std::size_t> load(n);
+    for (std::uint64_t k = 0; k < 100000; ++k) ++load[ring.server(k * 0x9e3779b97f4a7c15ull)];
+    for (std::size_t s = 0; s < n; ++s) CHECK(load[s] > 0);
+  }
+  CHECK(psx::detail::HashRing().server(max_id) == 0);
+}
+
+TEST_CASE("embedding: a dynamic table trains like a sparse variable of the same rows, bit for bit") {
+  // The same pushes into a dynamic table and into a sparse variable whose
+  // row r stands for id ids[r]: under BSP both get the same aggregated
+  // gradient in the same order, so every row must agree exactly.
+  const std::vector<std::uint64_t> universe{0, 1, 7, 1ull << 40, 123456789, max_id - 1, max_id};
+  psx::LocalCluster<psx::partition::RowRange, psx::sync::Synchronous, psx::optim::Adagrad> ps(
+      {3, 4}, {}, {}, psx::optim::Adagrad{.lr = 0.1});
+  TableOptions o;
+  o.stripes = 2;
+  ps.declare(psx::embedding("emb", 5, psx::Initializer::constant(0.5f), o));
+  ps.declare(psx::sparse("ref", universe.size(), 5, psx::Initializer::constant(0.5f)));
+  ps.run([&](psx::Worker& w) {
+    for (std::size_t step = 0; step < 12; ++step) {
+      std::vector<std::uint64_t> ids, rows;
+      for (std::size_t k = 0; k < 6; ++k) {
+        const std::size_t r = psx::detail::mix64(w.index() * 1000 + step * 10 + k) % universe.size();
+        ids.push_back(universe[r]);
+        rows.push_back(r);
+      }
+      std::vector<float> a(ids.size() * 5), b(ids.size() * 5), g(ids.size() * 5);
+      w.pull_rows("emb", ids, a);
+      w.pull_rows("ref", rows, b);
+      REQUIRE(a == b);
+      for (std::size_t i = 0; i < g.size(); ++i) g[i] = psx_test::toy_grad(a[i], w.index(), step, i);
+      w.push_rows("emb", ids, g);
+      w.push_rows("ref", rows, g);
+      w.step();
+    }
+  });
+  const psx::TableExport e = ps.export_table("emb");
+  const std::vector<float> ref = ps.read("ref");
+  std::set<std::uint64_t> seen(e.ids.begin(), e.ids.end());
+  CHECK(seen.size() == e.ids.size());
+  for (std::size_t k = 0; k < e.ids.size(); ++k) {
+    const auto r = static_cast<std::size_t>(std::find(universe.begin(), universe.end(), e.ids[k]) - universe.begin());
+    REQUIRE(r < universe.size());
+    CHECK(std::vector<float>(e.row(k).begin(), e.row(k).end()) ==
+          std::vector<float>(ref.begin() + static_cast<std::ptrdiff_t>(r * 5), ref.begin() + static_cast<std::ptrdiff_t>(r * 5 + 5)));
+  }
+  // Where the ids live: on the ring's servers, counted per server.
+  const auto& v = ps.variable("emb");
+  const std::vector<psx::TableStats> per_server = ps.table_stats("emb");
+  REQUIRE(per_server.size() == 3);
+  std::vector<std::uint64_t> expect(3, 0);
+  for (const std::uint64_t id : e.ids) ++expect[v.ring.server(id)];
+  for (std::size_t s = 0; s < 3; ++s) CHECK(per_server[s].rows == expect[s]);
+  // The servers' counters include the rows held.
+  std::uint64_t rows = 0;
+  for (const auto& t : per_server) rows += t.rows;
+  CHECK(ps.stats().parameter_bytes >= rows * 5 * 4);
+  const psx::PlacementReport placement = ps.placement();
+  CHECK(placement.bytes.size() == 3);
+}
+
+TEST_CASE("embedding: deltas taken while the cluster trains add up to the final export") {
+  psx::LocalCluster<psx::partition::HashByName, psx::sync::Asynchronous, psx::optim::SGD> ps(
+      {2, 3}, {}, {}, psx::optim::SGD{.lr = 0.1});
+  TableOptions o;
+  o.stripes = 4;
+  o.ttl_steps = 6;
+  o.ttl_sweep_steps = 2;
+  o.memory_cap_bytes = psx::detail::table_minimum_bytes(4, 0, o) * 2;
+  ps.declare(psx::embedding("emb", 4, psx::Initializer::uniform(-0.1f, 0.1f, 2), o));
+  ps.start();
+  psx::TableExport serving = ps.export_table("emb");
+  std::atomic<bool> done{false};
+  std::size_t deltas = 0;
+  std::thread reader([&] {
+    while (!done.load()) {
+      serving.merge(ps.export_table("emb", serving.cursor));
+      ++deltas;
+      std::this_thread::yield();
+    }
+  });
+  ps.run([](psx::Worker& w) {
+    std::vector<float> rows(64 * 4), g(64 * 4, 0.01f);
+    for (std::uint64_t step = 0; step < 80; ++step) {
+      std::vector<std::uint64_t> ids(64);
+      for (std::size_t k = 0; k < ids.size(); ++k) ids[k] = psx::detail::mix64(step * 64 + k + w.index()) % 3000;
+      w.pull_rows("emb", ids, rows);
+      w.push_rows("emb", ids, g);
+      w.step();
+    }
+  });
+  done = true;
+  reader.join();
+  serving.merge(ps.export_table("emb", serving.cursor));
+  const psx::TableExport full = ps.export_table("emb");
+  CHECK(serving.sorted() == full.sorted());
+  CHECK(deltas > 0);
+  psx::TableStats total;
+  for (const auto& t : ps.table_stats("emb")) {
+    CHECK(t.bytes <= o.memory_cap_bytes);
+    total += t;
+  }
+  CHECK(total.evicted_ttl + total.evicted_memory > 0);
+  CHECK(total.rows == full.ids.size());
+}
+
+TEST_CASE("embedding: refused declarations and calls say what is wrong") {
+  psx::LocalCluster<> ps({2, 1});
+  CHECK_THROWS_AS(ps.declare({"e", {0}, psx::VariableKind::dynamic}), psx::shape_error);
+  CHECK_THROWS_AS(ps.declare({"e", {4, 4}, psx::VariableKind::dynamic}), psx::shape_error);
+  TableOptions bad;
+  bad.admission = Admission::after_pushes(0);
+  CHECK_THROWS_AS(ps.declare(psx::embedding("e", 4, {}, bad)), psx::config_error);
+  bad = {};
+  bad.admission = Admission::with_probability(1.5);
+  CHECK_THROWS_AS(ps.declare(psx::embedding("e", 4, {}, bad)), psx::config_error);
+  bad = {};
+  bad.stripes = 3;
+  CHECK_THROWS_AS(ps.declare(psx::embedding("e", 4, {}, bad)), psx::config_error);
+  bad = {};
+  bad.memory_cap_bytes = 1000;
+  CHECK_THROWS_WITH_AS(ps.declare(psx::embedding("e", 4, {}, bad)), doctest::Contains("below its minimum"),
+                       psx::config_error);
+  auto spec = psx::embedding("e", 4);
+  spec.dtype = psx::DType::bfloat16;
+  CHECK_THROWS_AS(ps.declare(spec), psx::config_error);
+  ps.declare(psx::embedding("emb", 4));
+  ps.declare(psx::dense("w", {3}));
+  CHECK_THROWS_AS(ps.table_stats("emb"), psx::config_error);  // before start
+  psx::Worker w = ps.worker(0);
+  std::vector<float> four(4), eight(8);
+  const std::uint64_t one[] = {max_id};
+  CHECK_THROWS_WITH_AS(w.pull("emb", std::span<float>(four)), doctest::Contains("dynamic table"), psx::shape_error);
+  CHECK_THROWS_AS(w.push("emb", std::span<const float>(four)), psx::shape_error);
+  CHECK_THROWS_AS(w.pull_rows("emb", one, std::span<float>(eight)), psx::shape_error);
+  CHECK_THROWS_AS(ps.read("emb"), psx::shape_error);
+  w.pull_rows("emb", one, std::span<float>(four));
+  CHECK(four == std::vector<float>(4, 0.0f));
+  CHECK_THROWS_AS(ps.table_stats("w"), psx::config_error);
+  CHECK_THROWS_AS(ps.table_stats("nope"), psx::unknown_variable);
+  CHECK_THROWS_AS(ps.export_table("emb", {1, 2, 3}), psx::config_error);
+  // LAMB does not apply row pushes: it cannot train a table.
+  psx::LocalCluster<psx::partition::HashByName, psx::sync::Synchronous, psx::optim::Lamb> lamb({1, 1});
+  CHECK_THROWS_AS(lamb.declare(psx::embedding("e", 4)), psx::config_error);
+  // Delay compensation would copy every row a worker read.
+  psx::LocalCluster<psx::partition::HashByName, psx::sync::Asynchronous> dc({1, 1}, {}, {.staleness_scaled_lr = false, .delay_compensation = 0.5f});
+  dc.declare(psx::embedding("e", 4));
+  CHECK_THROWS_WITH_AS(dc.start(), doctest::Contains("delay compensation"), psx::config_error);
+}
+
+TEST_CASE("embedding: the docs example (docs/embedding.md)") {
+  std::ostringstream report;
+  psx::LocalCluster<psx::partition::HashByName, psx::sync::Asynchronous, psx::optim::Adagrad> ps({2, 4});
+  psx::TableOptions options;
+  options.admission = psx::Admission::after_pushes(3);  // stored at its third push
+  options.ttl_steps = 1000;                             // gone after 1000 steps without an update
+  options.memory_cap_bytes = std::uint64_t{256} << 20;  // per server: least recently used rows out first
+  ps.declare(psx::embedding("item", 16, psx::Initializer::normal(0.0f, 0.01f, 7), options));
+  ps.start();
+  psx::TableExport serving = ps.export_table("item");  // every row stored (none yet)
+
+  ps.run([](psx::Worker& w) {
+    for (int step = 0; step < 3; ++step) {
+      std::vector<std::uint64_t> ids = {0x9e3779b97f4a7c15, 42, 42, UINT64_MAX};
+      std::vector<float> rows(ids.size() * 16), grads(ids.size() * 16, 0.1f);
+      w.pull_rows("item", ids, rows);   // unseen ids: their initial value, nothing stored
+      w.push_rows("item", ids, grads);  // repeated ids summed; each push counts towards admission
+      w.step();
+    }
+  });
+
+  serving.merge(ps.export_table("item", serving.cursor));  // rows changed, ids removed since
+  for (const psx::TableStats& s : ps.table_stats("item")) report << s << '\n';
+  CHECK(serving.ids.size() == 3);
+  CHECK(serving.sorted() == ps.export_table("item").sorted());
+  CHECK(report.str().find("admitted") != std::string::npos);
+}
