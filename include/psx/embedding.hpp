@@ -41,16 +41,19 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <bit>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <new>
 #include <optional>
 #include <ostream>
+#include <random>
 #include <shared_mutex>
 #include <span>
 #include <string>
@@ -105,14 +108,24 @@ struct TableStats {
   }
 };
 
+//! Where a delta export starts, per server: which table (a number drawn when
+//! the server made it, so a cursor of a restarted cluster is refused, not
+//! misread) and the version an earlier export was complete up to.
+struct TableCursor {
+  std::vector<std::uint64_t> incarnation;
+  std::vector<std::uint64_t> version;
+
+  bool empty() const noexcept { return version.empty(); }
+  friend bool operator==(const TableCursor&, const TableCursor&) = default;
+};
+
 //! Rows of a dynamic table: a full export (every stored row) or a delta
 //! (rows changed and ids removed after a cursor). A serving copy starts
 //! from a full export and `merge`s each delta into it.
 struct TableExport {
   std::size_t dim = 0;
-  //! Per server: the version this export is complete up to; pass it to the
-  //! next delta export.
-  std::vector<std::uint64_t> cursor;
+  //! Where the next delta export starts.
+  TableCursor cursor;
   //! Stored ids and their rows (`ids.size() * dim` floats), in no particular order.
   std::vector<std::uint64_t> ids;
   std::vector<float> values;
@@ -168,14 +181,17 @@ struct TableExport {
 namespace detail {
 
 // A count-min sketch of 8-bit saturating counters with conservative update
-// (only the smallest counters grow): how often an id not yet stored was pushed.
+// (only the smallest counters grow): how often an id not yet stored was
+// pushed; every `window` counts (0: never) each counter is halved.
 class PushSketch {
  public:
-  PushSketch() = default;
-  PushSketch(std::uint32_t width, std::uint32_t depth)
-      : mask_(width - 1), depth_(depth), counts_(std::make_unique<std::atomic<std::uint8_t>[]>(std::size_t{width} * depth)) {}
+  PushSketch(std::uint32_t width, std::uint32_t depth, std::uint64_t window)
+      : mask_(width - 1),
+        depth_(depth),
+        window_(window),
+        counts_(std::make_unique<std::atomic<std::uint8_t>[]>(std::size_t{width} * depth)) {}
 
-  std::uint64_t bytes() const noexcept { return counts_ ? (std::uint64_t{mask_} + 1) * depth_ : 0; }
+  std::uint64_t bytes() const noexcept { return (std::uint64_t{mask_} + 1) * depth_; }
 
   // Counts one push of `id`; returns its estimate, this push included.
   unsigned add(std::uint64_t id) noexcept {
@@ -185,30 +201,50 @@ class PushSketch {
       at[r] = r * (std::size_t{mask_} + 1) + (mix64(id ^ (0x8cb92ba72f3d8dd7ull * (r + 1))) & mask_);
       lo = std::min<unsigned>(lo, counts_[at[r]].load(std::memory_order_relaxed));
     }
-    if (lo == 255) return lo;
-    for (std::uint32_t r = 0; r < depth_; ++r)
-      if (counts_[at[r]].load(std::memory_order_relaxed) == lo)
-        counts_[at[r]].store(static_cast<std::uint8_t>(lo + 1), std::memory_order_relaxed);
-    return lo + 1;
+    if (lo < 255)
+      for (std::uint32_t r = 0; r < depth_; ++r) {
+        auto low = static_cast<std::uint8_t>(lo);  // another thread may have raised it: then it is left as it is
+        counts_[at[r]].compare_exchange_strong(low, static_cast<std::uint8_t>(lo + 1), std::memory_order_relaxed);
+      }
+    if (window_ != 0 && (added_.fetch_add(1, std::memory_order_relaxed) + 1) % window_ == 0) halve();
+    return std::min(lo + 1, 255u);
   }
 
  private:
-  std::uint32_t mask_ = 0;
-  std::uint32_t depth_ = 0;
+  void halve() noexcept {
+    const std::size_t n = (std::size_t{mask_} + 1) * depth_;
+    for (std::size_t i = 0; i < n; ++i)
+      counts_[i].store(static_cast<std::uint8_t>(counts_[i].load(std::memory_order_relaxed) >> 1),
+                       std::memory_order_relaxed);
+  }
+
+  std::uint32_t mask_;
+  std::uint32_t depth_;
+  std::uint64_t window_;
+  std::atomic<std::uint64_t> added_{0};
   std::unique_ptr<std::atomic<std::uint8_t>[]> counts_;
 };
 
-// Records per chunk: a stripe grows by this many rows at a time.
-inline constexpr std::uint32_t table_chunk_rows = 16;
+// Bytes of one record: the row's bookkeeping (3 words), then its floats.
+inline std::uint64_t table_record_bytes(std::size_t dim, std::size_t slots) noexcept {
+  return 3 * sizeof(std::uint64_t) + (std::uint64_t{dim} * sizeof(float) * (1 + slots) + 7) / 8 * 8;
+}
 
-// The smallest cap a dynamic table accepts: each stripe's index of 16
-// entries, two chunks of records, and the admission sketch.
+// Records per chunk (a stripe grows by a chunk at a time): 16, or fewer
+// (a power of two) so that a chunk of wide rows stays within 64 KiB.
+inline std::uint32_t table_chunk_rows(std::uint64_t record_bytes) noexcept {
+  return std::bit_floor(static_cast<std::uint32_t>(std::clamp<std::uint64_t>((64u << 10) / record_bytes, 1, 16)));
+}
+
+// The smallest cap a dynamic table accepts: per stripe, an index of 32
+// entries (16 and its first doubling) and two chunks of records; and the
+// admission sketch.
 inline std::uint64_t table_minimum_bytes(std::size_t dim, std::size_t slots, const TableOptions& o) {
-  const std::uint64_t record = (std::uint64_t{dim} * sizeof(float) * (1 + slots) + 7) / 8 * 8 + 3 * sizeof(std::uint64_t);
+  const std::uint64_t record = table_record_bytes(dim, slots);
   const std::uint64_t sketch = o.admission.kind == Admission::Kind::after_pushes
                                    ? std::uint64_t{o.admission.sketch_width} * o.admission.sketch_depth
                                    : 0;
-  return sketch + std::uint64_t{o.stripes} * (16 * 16 + 2 * table_chunk_rows * record);
+  return sketch + std::uint64_t{o.stripes} * (32 * 16 + 2 * table_chunk_rows(record) * record);
 }
 
 }  // namespace detail
@@ -226,14 +262,20 @@ class DynamicTable {
         slots_(optimizer.slots()),
         record_floats_(dim * (1 + optimizer.slots())),
         init_(init),
-        options_(options),
-        stripes_(std::make_unique<Stripe[]>(options.stripes)),
+        options_(validated(name_, dim, init, options)),
+        stripes_(std::make_unique<Stripe[]>(options_.stripes)),
         stripe_shift_(64 - std::countr_zero(options.stripes)) {
+    incarnation_ = detail::mix64(std::random_device{}() ^ (static_cast<std::uint64_t>(std::random_device{}()) << 32) ^
+                                 static_cast<std::uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count()));
     for (std::size_t k = 0; k < slots_; ++k) slot_init_.push_back(initial_slot(optimizer, k));
     if (options.admission.kind == Admission::Kind::after_pushes)
-      sketch_ = detail::PushSketch(options.admission.sketch_width, options.admission.sketch_depth);
-    stride_ = sizeof(RowMeta) + (record_floats_ * sizeof(float) + 7) / 8 * 8;
-    chunk_bytes_ = std::uint64_t{detail::table_chunk_rows} * stride_;
+      sketch_ = std::make_unique<detail::PushSketch>(options.admission.sketch_width, options.admission.sketch_depth,
+                                                     options.admission.sketch_window);
+    stride_ = detail::table_record_bytes(dim, slots_);
+    static_assert(sizeof(RowMeta) == 3 * sizeof(std::uint64_t));
+    chunk_rows_ = detail::table_chunk_rows(stride_);
+    chunk_shift_ = std::countr_zero(chunk_rows_);
+    chunk_bytes_ = std::uint64_t{chunk_rows_} * stride_;
     if (options.memory_cap_bytes != 0) {
       const std::uint64_t minimum = detail::table_minimum_bytes(dim, slots_, options);
       if (options.memory_cap_bytes < minimum)
@@ -241,13 +283,13 @@ class DynamicTable {
                            std::to_string(options.memory_cap_bytes) + " is below its minimum of " +
                            std::to_string(minimum) + " (dim " + std::to_string(dim) + ", " + std::to_string(slots_) +
                            " optimizer slots, " + std::to_string(options.stripes) + " stripes)");
-      stripe_budget_ = (options.memory_cap_bytes - sketch_.bytes()) / options.stripes;
+      stripe_budget_ = (options.memory_cap_bytes - (sketch_ ? sketch_->bytes() : 0)) / options.stripes;
     }
     for (std::uint32_t s = 0; s < options.stripes; ++s) {
       stripes_[s].index.assign(16, Entry{});
       add_bytes(stripes_[s], 16 * sizeof(Entry));
     }
-    bytes_.fetch_add(sketch_.bytes(), std::memory_order_relaxed);
+    bytes_.fetch_add(sketch_ ? sketch_->bytes() : 0, std::memory_order_relaxed);
     removal_limit_ = std::max<std::uint64_t>(1, options.removal_log_limit / options.stripes);
     const std::uint64_t ttl = options.ttl_steps;
     sweep_every_ = options.ttl_sweep_steps ? options.ttl_sweep_steps : std::max<std::uint64_t>(1, ttl / 16);
@@ -255,6 +297,16 @@ class DynamicTable {
 
   DynamicTable(const DynamicTable&) = delete;
   DynamicTable& operator=(const DynamicTable&) = delete;
+
+ private:
+  // The checks of psx::embedding's declaration, for a table made directly.
+  static const TableOptions& validated(const std::string& name, std::size_t dim, const Initializer& init,
+                                       const TableOptions& options) {
+    (void)detail::make_dynamic_meta({name, {dim}, VariableKind::dynamic, init, true, DType::float32, {}, options}, 0);
+    return options;
+  }
+
+ public:
 
   const std::string& name() const noexcept { return name_; }
   std::size_t dim() const noexcept { return dim_; }
@@ -268,6 +320,18 @@ class DynamicTable {
   //! global step) marks the stored rows as used for the LRU eviction.
   void pull(std::span<const std::uint64_t> ids, std::span<const std::uint32_t> positions, std::span<float> out,
             std::uint64_t step) const {
+    const std::size_t rows = out.size() / dim_;
+    if (out.size() % dim_ != 0 || (positions.empty() && rows != ids.size()) ||
+        (!positions.empty() && positions.size() != ids.size()))
+      throw shape_error("psx: dynamic table '" + name_ + "': a pull of " + std::to_string(ids.size()) + " ids (" +
+                        std::to_string(positions.size()) + " positions) into " + std::to_string(out.size()) +
+                        " floats of rows of " + std::to_string(dim_));
+    for (const std::uint32_t p : positions)
+      if (p >= rows)
+        throw shape_error("psx: dynamic table '" + name_ + "': row position " + std::to_string(p) + " beyond the " +
+                          std::to_string(rows) + "-row buffer");
+    if (ids.size() > std::numeric_limits<std::uint32_t>::max())
+      throw shape_error("psx: dynamic table '" + name_ + "': at most 2^32 - 1 ids per call");
     auto dst = [&](std::size_t j) { return out.data() + (positions.empty() ? j : positions[j]) * dim_; };
     std::vector<std::uint32_t> unseen;
     const Batch batch = group(ids);
@@ -343,7 +407,7 @@ class DynamicTable {
       std::unique_lock lock(st.mu);
       old.clear();
       for (const Entry& e : st.index)
-        if (e.slot != empty_slot && meta(st, e.slot).updated + options_.ttl_steps < now) old.push_back(e.key);
+        if (e.slot != empty_slot && expired(meta(st, e.slot).updated, now)) old.push_back(e.key);
       for (const std::uint64_t id : old) erase(st, id);
       evicted += old.size();
     }
@@ -351,16 +415,38 @@ class DynamicTable {
     return evicted;
   }
 
-  //! Every stored row (`since` empty), or the rows changed after version
-  //! `since` and the ids removed after it; the cursor is the version it is
-  //! complete up to. A delta from before the oldest removal remembered
-  //! throws checkpoint_error (take a full export instead).
-  TableExport export_rows(std::optional<std::uint64_t> since = std::nullopt) const {
+  //! A number drawn when the table was made: what tells its cursors from
+  //! those of an earlier table of the same name.
+  std::uint64_t incarnation() const noexcept { return incarnation_; }
+
+  //! Every stored row (`since` empty), or the rows changed after the cursor
+  //! `since` (of this table: one incarnation and version) and the ids
+  //! removed after it. Throws checkpoint_error for a cursor of another
+  //! table or from its future, and for a delta from before the oldest
+  //! removal remembered (take a full export instead).
+  TableExport export_rows(const TableCursor& since = {}) const {
+    std::optional<std::uint64_t> from;
+    if (!since.empty()) {
+      if (since.version.size() != 1 || since.incarnation.size() != 1 || since.incarnation[0] != incarnation_)
+        throw checkpoint_error("psx: dynamic table '" + name_ + "': a delta from a cursor of another table (" +
+                               (since.incarnation.size() == 1 ? "incarnation " + std::to_string(since.incarnation[0])
+                                                               : std::to_string(since.incarnation.size()) + " incarnations") +
+                               ", this one is " + std::to_string(incarnation_) + "); take a full export");
+      if (since.version[0] > version())
+        throw checkpoint_error("psx: dynamic table '" + name_ + "': a delta from version " +
+                               std::to_string(since.version[0]) + ", beyond its version " + std::to_string(version()));
+      from = since.version[0];
+    }
+    return export_since(from);
+  }
+
+ private:
+  TableExport export_since(std::optional<std::uint64_t> since) const {
     TableExport out;
     out.dim = dim_;
     // Read first: a change that any stripe shows later has a higher version,
     // so the next delta from this cursor has it.
-    out.cursor = {version()};
+    out.cursor = {{incarnation_}, {version()}};
     for (std::uint32_t s = 0; s < options_.stripes; ++s) {
       const Stripe& st = stripes_[s];
       std::shared_lock lock(st.mu);
@@ -381,6 +467,7 @@ class DynamicTable {
     return out;
   }
 
+ public:
   //! The counters and memory now.
   TableStats stats() const noexcept {
     auto get = [](const std::atomic<std::uint64_t>& a) { return a.load(std::memory_order_relaxed); };
@@ -416,7 +503,7 @@ class DynamicTable {
     mutable std::shared_mutex mu;
     std::vector<Entry> index;  // a power of two, at most 3/4 full
     std::size_t count = 0;
-    std::vector<std::unique_ptr<std::byte[]>> chunks;  // table_chunk_rows records each
+    std::vector<std::unique_ptr<std::byte[]>> chunks;  // chunk_rows_ records each
     std::vector<std::uint32_t> free;
     std::uint64_t bytes = 0;  // index and chunks: what the stripe's budget bounds
     std::unordered_map<std::uint64_t, std::uint64_t> removed;  // id -> version of its removal
@@ -504,7 +591,7 @@ class DynamicTable {
   // A record: the row's RowMeta, then its parameters and slots, so one
   // cache line holds the bookkeeping and the row's first floats.
   std::byte* record_bytes(const Stripe& st, std::uint32_t slot) const noexcept {
-    return st.chunks[slot / detail::table_chunk_rows].get() + std::size_t{slot % detail::table_chunk_rows} * stride_;
+    return st.chunks[slot >> chunk_shift_].get() + std::size_t{slot & (chunk_rows_ - 1)} * stride_;
   }
   float* record(const Stripe& st, std::uint32_t slot) const noexcept {
     return reinterpret_cast<float*>(record_bytes(st, slot) + sizeof(RowMeta));
@@ -528,7 +615,7 @@ class DynamicTable {
     const Admission& a = options_.admission;
     switch (a.kind) {
       case Admission::Kind::always: return true;
-      case Admission::Kind::after_pushes: return sketch_.add(id) >= a.pushes;
+      case Admission::Kind::after_pushes: return sketch_->add(id) >= a.pushes;
       case Admission::Kind::probability:
         return detail::uniform01(detail::mix64(a.seed ^ id), step) < a.probability;
     }
@@ -579,13 +666,13 @@ class DynamicTable {
   }
 
   void add_chunk(Stripe& st) {
-    const auto first = static_cast<std::uint64_t>(st.chunks.size()) * detail::table_chunk_rows;
-    if (first + detail::table_chunk_rows > empty_slot)
+    const auto first = static_cast<std::uint64_t>(st.chunks.size()) * chunk_rows_;
+    if (first + chunk_rows_ > empty_slot)
       throw std::length_error("psx: dynamic table '" + name_ + "': more than 2^32 - 1 rows in one stripe");
-    st.chunks.push_back(std::make_unique<std::byte[]>(std::size_t{detail::table_chunk_rows} * stride_));
-    for (std::uint32_t k = 0; k < detail::table_chunk_rows; ++k)
+    st.chunks.push_back(std::make_unique<std::byte[]>(std::size_t{chunk_rows_} * stride_));
+    for (std::uint32_t k = 0; k < chunk_rows_; ++k)
       new (st.chunks.back().get() + std::size_t{k} * stride_) RowMeta{};
-    for (std::uint32_t k = detail::table_chunk_rows; k-- > 0;) st.free.push_back(static_cast<std::uint32_t>(first + k));
+    for (std::uint32_t k = chunk_rows_; k-- > 0;) st.free.push_back(static_cast<std::uint32_t>(first + k));
     add_bytes(st, chunk_bytes_);
   }
 
@@ -621,7 +708,10 @@ class DynamicTable {
     --st.count;
     rows_.fetch_sub(1, std::memory_order_relaxed);
     const std::uint64_t v = next_version();
-    if (options_.removal_log_limit == 0) return;
+    if (options_.removal_log_limit == 0) {  // nothing remembered: no delta from before this removal
+      st.removed_floor = v;
+      return;
+    }
     if (st.removed.insert_or_assign(id, v).second) add_removal(1);
     if (st.removed.size() > removal_limit_) forget_removals(st);
   }
@@ -646,9 +736,16 @@ class DynamicTable {
   void sweep_if_due(std::uint64_t step) {
     if (options_.ttl_steps == 0) return;
     std::uint64_t due = next_sweep_.load(std::memory_order_relaxed);
-    if (step < due || !next_sweep_.compare_exchange_strong(due, step + sweep_every_, std::memory_order_relaxed))
-      return;
+    const std::uint64_t next = step > std::numeric_limits<std::uint64_t>::max() - sweep_every_
+                                   ? std::numeric_limits<std::uint64_t>::max()
+                                   : step + sweep_every_;
+    if (step < due || !next_sweep_.compare_exchange_strong(due, next, std::memory_order_relaxed)) return;
     expire(step);
+  }
+
+  // Updated at step `updated`, not since: more than ttl_steps before `now`.
+  bool expired(std::uint64_t updated, std::uint64_t now) const noexcept {
+    return now > updated && now - updated > options_.ttl_steps;
   }
 
   std::string name_;
@@ -658,16 +755,19 @@ class DynamicTable {
   Initializer init_;
   TableOptions options_;
   std::vector<float> slot_init_;
-  detail::PushSketch sketch_;
+  std::unique_ptr<detail::PushSketch> sketch_;  // after_pushes only
   std::unique_ptr<Stripe[]> stripes_;
   int stripe_shift_;
   std::size_t stride_ = 0;  // bytes per record
+  std::uint32_t chunk_rows_ = 1;  // records per chunk, a power of two
+  int chunk_shift_ = 0;
   std::uint64_t chunk_bytes_ = 0;
   std::uint64_t stripe_budget_ = 0;  // 0: no cap
   std::uint64_t removal_limit_ = 1;  // per stripe
   std::uint64_t sweep_every_ = 1;
   std::atomic<std::uint64_t> next_sweep_{0};
   std::atomic<std::uint64_t> version_{0};
+  std::uint64_t incarnation_ = 0;
   std::atomic<std::uint64_t> rows_{0}, bytes_{0}, admitted_{0}, refused_{0}, evicted_ttl_{0}, evicted_memory_{0},
       removals_{0};
 };

@@ -651,8 +651,10 @@ std::filesystem::path export_model(const PS&, Worker& w, const ExportOptions& op
     for (const VariableInfo& v : ::psx::detail::WorkerAccess::variables(w)) {
       if (!options.variables.empty() && !detail::exports::matches(options.variables, v.meta.name)) continue;
       if (v.meta.kind == VariableKind::dynamic) {
-        // Unbounded rows: ParameterServer::export_table exports them (full, then deltas).
-        if (options.variables.empty()) continue;
+        // Unbounded rows: ParameterServer::export_table exports them (full,
+        // then deltas). Left out, unless named outright (not by a pattern).
+        if (std::find(options.variables.begin(), options.variables.end(), v.meta.name) == options.variables.end())
+          continue;
         throw config_error("psx: export of '" + v.meta.name + "', a dynamic table: export its rows with "
                            "ParameterServer::export_table");
       }

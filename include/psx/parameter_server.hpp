@@ -146,18 +146,23 @@ class ParameterServer {
   //! servers are idle, a full export plus its deltas equals a full export.
   //! Throws as `table_stats`, and checkpoint_error for a delta older than
   //! the removals a server remembers (`TableOptions::removal_log_limit`).
-  TableExport export_table(std::string_view name, const std::vector<std::uint64_t>& since = {}) {
+  TableExport export_table(std::string_view name, const TableCursor& since = {}) {
     const VariableInfo& v = variable(name);
-    if (!since.empty() && since.size() != config().num_servers)
-      throw config_error("psx: export_table('" + v.meta.name + "'): a cursor of " + std::to_string(since.size()) +
-                         " versions for " + std::to_string(config().num_servers) + " servers");
+    const std::size_t n = config().num_servers;
+    if (!since.empty() && (since.version.size() != n || since.incarnation.size() != n))
+      throw config_error("psx: export_table('" + v.meta.name + "'): a cursor of " +
+                         std::to_string(since.version.size()) + " versions and " +
+                         std::to_string(since.incarnation.size()) + " incarnations for " + std::to_string(n) +
+                         " servers");
     TableExport out;
     out.dim = v.meta.row_width;
     std::size_t s = 0;
     for_each_table(name, "export_table", [&](const auto& t) {
-      TableExport part = since.empty() ? t.export_rows() : t.export_rows(since[s]);
+      TableExport part = since.empty() ? t.export_rows()
+                                       : t.export_rows(TableCursor{{since.incarnation[s]}, {since.version[s]}});
       ++s;
-      out.cursor.push_back(part.cursor.front());
+      out.cursor.incarnation.push_back(part.cursor.incarnation.front());
+      out.cursor.version.push_back(part.cursor.version.front());
       out.ids.insert(out.ids.end(), part.ids.begin(), part.ids.end());
       out.values.insert(out.values.end(), part.values.begin(), part.values.end());
       out.removed.insert(out.removed.end(), part.removed.begin(), part.removed.end());
@@ -409,7 +414,10 @@ class ParameterServer {
   // what was sent before (a worker's last push and its leave, which run()
   // does not wait for) has been applied when this returns.
   // (An inspection request, sent under the first local worker's index
-  // without its clock, which only that worker's thread may read.)
+  // without its clock, which only that worker's thread may read, and waited
+  // for as no worker, as run() waits for the join: a transport that runs
+  // its workers' waits, the simulated one, must not take this thread for
+  // worker 0's.)
   void settle() {
     if (!running()) return;
     const std::vector<std::size_t> local = local_workers();
@@ -432,7 +440,7 @@ class ParameterServer {
       for (; sent < n; ++sent) done->finish();
     }
     try {
-      core_->wait(local.front(), *done);
+      core_->wait(config().num_workers, *done);
     } catch (...) {  // a server that failed or stopped: the tables are read as they are
     }
   }
@@ -441,10 +449,10 @@ class ParameterServer {
   template <class F>
   void for_each_table(std::string_view name, const char* verb, F&& fn) {
     const VariableInfo& v = variable(name);
-    settle();
     if (v.meta.kind != VariableKind::dynamic)
       throw config_error(std::string("psx: ") + verb + "('" + v.meta.name + "'): a " +
                          (v.meta.kind == VariableKind::dense ? "dense" : "sparse") + " variable, not a dynamic table");
+    settle();
     std::lock_guard lock(link_mu_);
     if (servers_.empty()) throw config_error(std::string("psx: ") + verb + "('" + v.meta.name + "') before start()");
     for (std::size_t s = 0; s < servers_.size(); ++s) {

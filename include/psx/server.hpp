@@ -210,6 +210,10 @@ class Server final : public RequestHandler {
   std::unique_ptr<ShardState> make_shard(const VariableInfo& v, std::size_t k) const {
     auto s = std::make_unique<ShardState>(optimizer_, v, k);
     s->workers.resize(clocks_.size());
+    if (s->table && !Storage::host_visible)
+      throw config_error("psx: server " + std::to_string(index_) + ": dynamic table '" + v.meta.name +
+                         "' lives in host memory, and this storage hands pulls buffers elsewhere (device memory); "
+                         "keep dynamic tables on a cluster with host storage");
     if constexpr (detail::has_compensation<SyncStateT>)
       if (s->table && sync_.compensates(v.meta))
         throw config_error("psx: server " + std::to_string(index_) + ": dynamic table '" + v.meta.name +
@@ -280,6 +284,10 @@ class Server final : public RequestHandler {
     for (std::size_t j = 0; j < item.ids.size(); ++j) {
       const std::uint64_t id = item.ids[j];
       const std::size_t pos = item.positions.empty() ? j : item.positions[j];
+      if (s.table && s.var->ring.server(id) != index_)
+        throw wire_error("psx: " + where(r) + ": id " + std::to_string(id) + " of dynamic table '" + name +
+                         "' belongs to server " + std::to_string(s.var->ring.server(id)) +
+                         " (the worker places ids on another ring)");
       if (!s.table && (id < s.shard.row_begin || id >= s.shard.row_end))
         throw row_out_of_range("psx: " + where(r) + ": row " + std::to_string(id) + " of variable '" + name +
                                "' is not in this shard's rows [" + std::to_string(s.shard.row_begin) + ", " +

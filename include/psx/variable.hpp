@@ -147,14 +147,18 @@ struct Admission {
   //! than `width / e` ids were pushed (Cormode & Muthukrishnan 2005).
   std::uint32_t sketch_width = 1u << 20;
   std::uint32_t sketch_depth = 4;
+  //! after_pushes: pushes counted between two halvings of every counter
+  //! (TinyLFU's reset, Einziger et al. 2017), so that the sketch counts
+  //! recent pushes and does not fill up over an endless stream; 0: never.
+  std::uint64_t sketch_window = 0;
 
   static constexpr Admission always() noexcept { return {}; }
-  static constexpr Admission after_pushes(std::uint32_t n, std::uint32_t width = 1u << 20,
-                                          std::uint32_t depth = 4) noexcept {
-    return {Kind::after_pushes, n, 1.0, 0, width, depth};
+  static constexpr Admission after_pushes(std::uint32_t n, std::uint32_t width = 1u << 20, std::uint32_t depth = 4,
+                                          std::uint64_t window = 0) noexcept {
+    return {Kind::after_pushes, n, 1.0, 0, width, depth, window};
   }
   static constexpr Admission with_probability(double p, std::uint64_t seed = 0) noexcept {
-    return {Kind::probability, 1, p, seed, 1u << 20, 4};
+    return {Kind::probability, 1, p, seed, 1u << 20, 4, 0};
   }
   friend bool operator==(const Admission&, const Admission&) = default;
 };
@@ -176,8 +180,9 @@ struct TableOptions {
   std::uint32_t virtual_nodes = 1024;
   //! Independently locked parts of each server's table (a power of two).
   std::uint32_t stripes = 64;
-  //! Removals remembered for delta exports, per server; beyond it the
-  //! oldest half is forgotten, and a delta from before them is refused.
+  //! Removals remembered for delta exports, per server (split over the
+  //! stripes, at least one each); beyond it a stripe forgets its oldest
+  //! half, and a delta from before them is refused (0: none remembered).
   std::uint64_t removal_log_limit = 1u << 20;
 
   friend bool operator==(const TableOptions&, const TableOptions&) = default;
@@ -301,9 +306,9 @@ inline VariableMeta make_dynamic_meta(const VariableSpec& spec, std::uint32_t id
   const Admission& a = o.admission;
   if (a.kind == Admission::Kind::after_pushes &&
       (a.pushes < 1 || a.pushes > 255 || !std::has_single_bit(a.sketch_width) || a.sketch_depth < 1 ||
-       a.sketch_depth > 16))
-    throw config_error(what + ": admission after n pushes needs 1 <= n <= 255, a power-of-two sketch width and "
-                              "1 to 16 sketch rows");
+       a.sketch_depth > 16 || (a.sketch_window != 0 && a.sketch_window < a.sketch_width)))
+    throw config_error(what + ": admission after n pushes needs 1 <= n <= 255, a power-of-two sketch width, "
+                              "1 to 16 sketch rows, and a window of 0 (none) or at least the width");
   if (a.kind == Admission::Kind::probability && !(a.probability > 0.0 && a.probability <= 1.0))
     throw config_error(what + ": admission probability must be in (0, 1], got " + std::to_string(a.probability));
   if (!std::has_single_bit(o.stripes) || o.stripes > 4096)

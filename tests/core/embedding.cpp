@@ -239,21 +239,27 @@ TEST_CASE("embedding: a full export plus its deltas equals the full export at th
     ids.push_back(0);
     push(t, sgd, ids, static_cast<float>(step % 5) - 2.0f, step, 3);
     if (step % 3 == 0) {
-      const psx::TableExport delta = t.export_rows(serving.cursor.front());
+      const psx::TableExport delta = t.export_rows(serving.cursor);
       deltas_with_removals += !delta.removed.empty();
       serving.merge(delta);
     }
   }
-  serving.merge(t.export_rows(serving.cursor.front()));
+  serving.merge(t.export_rows(serving.cursor));
   const psx::TableExport full = t.export_rows();
   CHECK(serving.sorted() == full.sorted());
   CHECK(full.ids.size() == t.size());
   CHECK(deltas_with_removals > 0);
   CHECK(t.stats().evicted_ttl > 0);
   // Nothing changed since: an empty delta.
-  const psx::TableExport none = t.export_rows(full.cursor.front());
+  const psx::TableExport none = t.export_rows(full.cursor);
   CHECK(none.ids.empty());
   CHECK(none.removed.empty());
+  // A cursor of another table (a restarted server), or from the future, is refused.
+  DynamicTable<psx::optim::SGD> other("emb", 3, {}, o, sgd);
+  CHECK(other.incarnation() != t.incarnation());
+  CHECK_THROWS_WITH_AS(other.export_rows(full.cursor), doctest::Contains("another table"), psx::checkpoint_error);
+  CHECK_THROWS_AS(t.export_rows(psx::TableCursor{{t.incarnation()}, {t.version() + 1}}), psx::checkpoint_error);
+  CHECK_THROWS_AS(t.export_rows(psx::TableCursor{{t.incarnation(), 1}, {0, 0}}), psx::checkpoint_error);
 }
 
 TEST_CASE("embedding: a delta from before the forgotten removals is refused") {
@@ -264,11 +270,24 @@ TEST_CASE("embedding: a delta from before the forgotten removals is refused") {
   o.ttl_sweep_steps = 1;
   o.removal_log_limit = 8;
   DynamicTable<psx::optim::SGD> t("emb", 1, {}, o, sgd);
+  auto at = [&](std::uint64_t v) { return psx::TableCursor{{t.incarnation()}, {v}}; };
   const std::uint64_t start = t.version();
   for (std::uint64_t step = 1; step <= 30; ++step) push(t, sgd, {step}, 1.0f, step, 1);  // each evicted two steps later
   CHECK(t.stats().removal_log <= 8);
-  CHECK_THROWS_AS(t.export_rows(start), psx::checkpoint_error);
-  CHECK_NOTHROW(t.export_rows(t.version()));
+  CHECK_THROWS_AS(t.export_rows(at(start)), psx::checkpoint_error);
+  CHECK_NOTHROW(t.export_rows(at(t.version())));
+  // Remembering none: no delta from before the last removal.
+  o.removal_log_limit = 0;
+  DynamicTable<psx::optim::SGD> none("emb", 1, {}, o, sgd);
+  auto none_at = [&](std::uint64_t v) { return psx::TableCursor{{none.incarnation()}, {v}}; };
+  push(none, sgd, {1}, 1.0f, 1, 1);
+  const std::uint64_t before = none.version();
+  CHECK_NOTHROW(none.export_rows(none_at(before)));
+  push(none, sgd, {2}, 1.0f, 3, 1);  // the sweep at step 3 removes id 1
+  CHECK(!none.contains(1));
+  CHECK(none.stats().removal_log == 0);
+  CHECK_THROWS_AS(none.export_rows(none_at(before)), psx::checkpoint_error);
+  CHECK_NOTHROW(none.export_rows(none_at(none.version())));
   psx::TableExport a = t.export_rows(), b;
   b.dim = 2;
   CHECK_THROWS_AS(a.merge(b), psx::checkpoint_error);
@@ -287,7 +306,7 @@ TEST_CASE("embedding: 8 threads pull and push one table at once") {
   std::vector<std::thread> pool;
   for (int w = 0; w < threads; ++w)
     pool.emplace_back([&, w] {
-      std::vector<float> out(4 * 40);
+      std::vector<float> out(4 * 24);
       for (int step = 1; step <= steps; ++step) {
         std::vector<std::uint64_t> ids(shared);
         for (std::uint64_t k = 0; k < 20; ++k) ids.push_back((std::uint64_t(w + 1) << 40) + k + std::uint64_t(step % 3) * 20);
@@ -441,12 +460,18 @@ TEST_CASE("embedding: a dynamic table trains like a sparse variable of the same 
   std::vector<std::uint64_t> expect(3, 0);
   for (const std::uint64_t id : e.ids) ++expect[v.ring.server(id)];
   for (std::size_t s = 0; s < 3; ++s) CHECK(per_server[s].rows == expect[s]);
-  // The servers' counters include the rows held.
+  // The servers' counters include the rows held (and Adagrad's one slot a
+  // row), beside the sparse variable's 7 rows; the placement report counts
+  // each server's table bytes.
   std::uint64_t rows = 0;
   for (const auto& t : per_server) rows += t.rows;
-  CHECK(ps.stats().parameter_bytes >= rows * 5 * 4);
+  CHECK(rows == e.ids.size());
+  CHECK(ps.stats().parameter_bytes == (7 + rows) * 5 * 4);
+  CHECK(ps.stats().slot_bytes == (7 + rows) * 5 * 4);
   const psx::PlacementReport placement = ps.placement();
-  CHECK(placement.bytes.size() == 3);
+  const psx::PlacementReport fixed = psx::placement_report(ps.variables(), 3, 1);
+  REQUIRE(placement.bytes.size() == 3);
+  for (std::size_t s = 0; s < 3; ++s) CHECK(placement.bytes[s] == fixed.bytes[s] + per_server[s].bytes);
 }
 
 TEST_CASE("embedding: deltas taken while the cluster trains add up to the final export") {
@@ -528,7 +553,7 @@ TEST_CASE("embedding: refused declarations and calls say what is wrong") {
   CHECK(four == std::vector<float>(4, 0.0f));
   CHECK_THROWS_AS(ps.table_stats("w"), psx::config_error);
   CHECK_THROWS_AS(ps.table_stats("nope"), psx::unknown_variable);
-  CHECK_THROWS_AS(ps.export_table("emb", {1, 2, 3}), psx::config_error);
+  CHECK_THROWS_AS(ps.export_table("emb", psx::TableCursor{{1, 2, 3}, {1, 2, 3}}), psx::config_error);
   // LAMB does not apply row pushes: it cannot train a table.
   psx::LocalCluster<psx::partition::HashByName, psx::sync::Synchronous, psx::optim::Lamb> lamb({1, 1});
   CHECK_THROWS_AS(lamb.declare(psx::embedding("e", 4)), psx::config_error);
@@ -564,4 +589,65 @@ TEST_CASE("embedding: the docs example (docs/embedding.md)") {
   CHECK(serving.ids.size() == 3);
   CHECK(serving.sorted() == ps.export_table("item").sorted());
   CHECK(report.str().find("admitted") != std::string::npos);
+}
+
+TEST_CASE("embedding: a sketch with a window forgets old pushes") {
+  const psx::optim::SGD sgd{.lr = 1.0};
+  for (const std::uint64_t window : {std::uint64_t{0}, std::uint64_t{64}}) {
+    TableOptions o;
+    o.admission = Admission::after_pushes(2, 64, 4, window);
+    DynamicTable<psx::optim::SGD> t("emb", 1, {}, o, sgd);
+    push(t, sgd, {max_id}, 1.0f, 1, 1);  // counted once
+    std::vector<std::uint64_t> others(64);
+    for (std::size_t k = 0; k < others.size(); ++k) others[k] = k + 1;
+    push(t, sgd, others, 1.0f, 2, 1);  // 64 more counts: with a window of 64, every counter is halved
+    push(t, sgd, {max_id}, 1.0f, 3, 1);
+    CAPTURE(window);
+    CHECK(t.contains(max_id) == (window == 0));  // its second push: admitted unless the first was forgotten
+    push(t, sgd, {max_id}, 1.0f, 4, 1);
+    CHECK(t.contains(max_id));
+  }
+}
+
+TEST_CASE("embedding: a table made directly checks its options and buffers") {
+  const psx::optim::SGD sgd{.lr = 1.0};
+  TableOptions o;
+  o.admission = Admission::after_pushes(2, 1u << 10, 17);
+  CHECK_THROWS_AS(DynamicTable<psx::optim::SGD>("emb", 4, {}, o, sgd), psx::config_error);
+  o.admission = Admission::after_pushes(2, 1u << 10, 4, 100);  // a window shorter than the width
+  CHECK_THROWS_AS(DynamicTable<psx::optim::SGD>("emb", 4, {}, o, sgd), psx::config_error);
+  o = {};
+  o.stripes = 0;
+  CHECK_THROWS_AS(DynamicTable<psx::optim::SGD>("emb", 4, {}, o, sgd), psx::config_error);
+  CHECK_THROWS_AS(DynamicTable<psx::optim::SGD>("emb", 0, {}, {}, sgd), psx::shape_error);
+  DynamicTable<psx::optim::SGD> t("emb", 4, {}, {}, sgd);
+  const std::uint64_t ids[] = {1, 2};
+  const std::uint32_t positions[] = {0, 5};
+  std::vector<float> out(8), odd(7);
+  CHECK_THROWS_AS(t.pull(ids, {}, odd, 1), psx::shape_error);
+  CHECK_THROWS_AS(t.pull(ids, positions, out, 1), psx::shape_error);
+  CHECK_THROWS_AS(t.pull(std::span(ids).first(1), {}, out, 1), psx::shape_error);
+  CHECK_THROWS_AS(t.push(sgd, ids, odd, at_step(1)), psx::shape_error);
+  CHECK_NOTHROW(t.pull(ids, {}, out, 1));
+}
+
+TEST_CASE("embedding: a time to live at the top of the range never evicts, and wide rows come in small chunks") {
+  const psx::optim::SGD sgd{.lr = 1.0};
+  TableOptions o;
+  o.ttl_steps = max_id;
+  o.ttl_sweep_steps = 1;
+  DynamicTable<psx::optim::SGD> t("emb", 2, {}, o, sgd);
+  push(t, sgd, {1}, 1.0f, 1, 2);
+  push(t, sgd, {2}, 1.0f, max_id, 2);
+  CHECK(t.contains(1));
+  CHECK(t.stats().evicted_ttl == 0);
+  // A row of 2^18 floats with Adam's two slots is 3 MiB: a chunk holds one.
+  TableOptions wide;
+  wide.stripes = 1;
+  DynamicTable<psx::optim::Adam> w("wide", 1u << 18, {}, wide, {});
+  std::vector<float> g(1u << 18, 0.5f);
+  const std::uint64_t one[] = {7};
+  w.push({}, one, g, at_step(1));
+  CHECK(w.stats().bytes < (4u << 20));
+  CHECK(w.stats().bytes >= 3 * (1u << 20));
 }

@@ -69,40 +69,50 @@ Zmq settings(const ClusterSpec& c, std::string type, std::size_t index, const fs
 template <class P, class S, class O>
 using ZmqCluster = psx::ParameterServer<P, S, O, Zmq>;
 
-// Runs every task on a thread; the chief reads the variables at the end.
-// Returns what the chief read; rethrows the first task's exception.
-template <class P = psx::partition::RowRange, class S = psx::sync::Synchronous, class O = psx::optim::SGD>
-std::map<std::string, std::vector<float>> run_tasks(std::size_t ps, std::size_t workers, bool ipc,
-                                                    std::function<void(Zmq&)> adjust = {}) {
+// Runs `task(type, index, settings)` for every task of a local cluster of
+// `ps` servers and `workers` workers, each on a thread; rethrows the first
+// task's exception once all have ended.
+void for_each_task(std::size_t ps, std::size_t workers, bool ipc,
+                   const std::function<void(const std::string&, std::size_t, Zmq)>& task) {
   TempDir dir;
   const ClusterSpec c = spec(ps, workers, ipc, dir.path);
-  psx::ClusterConfig config{ps, workers, std::chrono::milliseconds(20000)};
-  std::map<std::string, std::vector<float>> result;
   std::mutex mu;
   std::exception_ptr first;
   std::vector<std::thread> tasks;
-  auto task = [&](std::string type, std::size_t index) {
+  auto run = [&](std::string type, std::size_t index) {
     try {
-      Zmq z = settings(c, type, index, dir.path);
-      if (adjust) adjust(z);
-      ZmqCluster<P, S, O> cluster(config, {}, {}, O{0.05f}, z);
-      psx_zmq_test::declare(cluster);
-      cluster.run(psx_zmq_test::train);
-      if (type == "chief") {
-        auto values = psx_zmq_test::read_all(cluster);
-        std::lock_guard lock(mu);
-        result = std::move(values);
-      }
+      task(type, index, settings(c, type, index, dir.path));
     } catch (...) {
       std::lock_guard lock(mu);
       if (!first) first = std::current_exception();
     }
   };
-  for (std::size_t s = 0; s < ps; ++s) tasks.emplace_back(task, "ps", s);
-  tasks.emplace_back(task, "chief", 0);
-  for (std::size_t w = 1; w < workers; ++w) tasks.emplace_back(task, "worker", w - 1);
+  for (std::size_t s = 0; s < ps; ++s) tasks.emplace_back(run, "ps", s);
+  tasks.emplace_back(run, "chief", 0);
+  for (std::size_t w = 1; w < workers; ++w) tasks.emplace_back(run, "worker", w - 1);
   for (auto& t : tasks) t.join();
   if (first) std::rethrow_exception(first);
+}
+
+// Trains psx_zmq_test's program on every task; returns what the chief read
+// at the end.
+template <class P = psx::partition::RowRange, class S = psx::sync::Synchronous, class O = psx::optim::SGD>
+std::map<std::string, std::vector<float>> run_tasks(std::size_t ps, std::size_t workers, bool ipc,
+                                                    std::function<void(Zmq&)> adjust = {}) {
+  const psx::ClusterConfig config{ps, workers, std::chrono::milliseconds(20000)};
+  std::map<std::string, std::vector<float>> result;
+  std::mutex mu;
+  for_each_task(ps, workers, ipc, [&](const std::string& type, std::size_t, Zmq z) {
+    if (adjust) adjust(z);
+    ZmqCluster<P, S, O> cluster(config, {}, {}, O{0.05f}, z);
+    psx_zmq_test::declare(cluster);
+    cluster.run(psx_zmq_test::train);
+    if (type == "chief") {
+      auto values = psx_zmq_test::read_all(cluster);
+      std::lock_guard lock(mu);
+      result = std::move(values);
+    }
+  });
   return result;
 }
 
@@ -669,30 +679,16 @@ std::vector<float> train_dynamic(PS& cluster) {
 
 TEST_CASE("zmq: a dynamic embedding table trains over tcp as in process, bit for bit") {
   psx_test::Watchdog dog("zmq dynamic table", std::chrono::seconds(120));
-  TempDir dir;
-  const ClusterSpec c = spec(2, 3, false, dir.path);
   const psx::ClusterConfig config{2, 3, std::chrono::milliseconds(20000)};
   std::vector<float> over_zmq;
   std::mutex mu;
-  std::exception_ptr first;
-  std::vector<std::thread> tasks;
-  auto task = [&](std::string type, std::size_t index) {
-    try {
-      ZmqCluster<psx::partition::HashByName, psx::sync::Synchronous, psx::optim::Adagrad> cluster(
-          config, {}, {}, psx::optim::Adagrad{.lr = 0.1}, settings(c, type, index, dir.path));
-      auto rows = train_dynamic(cluster);
-      std::lock_guard lock(mu);
-      if (type == "chief") over_zmq = std::move(rows);
-    } catch (...) {
-      std::lock_guard lock(mu);
-      if (!first) first = std::current_exception();
-    }
-  };
-  for (std::size_t s = 0; s < 2; ++s) tasks.emplace_back(task, "ps", s);
-  tasks.emplace_back(task, "chief", 0);
-  for (std::size_t w = 1; w < 3; ++w) tasks.emplace_back(task, "worker", w - 1);
-  for (auto& t : tasks) t.join();
-  if (first) std::rethrow_exception(first);
+  for_each_task(2, 3, false, [&](const std::string& type, std::size_t, Zmq z) {
+    ZmqCluster<psx::partition::HashByName, psx::sync::Synchronous, psx::optim::Adagrad> cluster(
+        config, {}, {}, psx::optim::Adagrad{.lr = 0.1}, z);
+    auto rows = train_dynamic(cluster);
+    std::lock_guard lock(mu);
+    if (type == "chief") over_zmq = std::move(rows);
+  });
   psx::LocalCluster<psx::partition::HashByName, psx::sync::Synchronous, psx::optim::Adagrad> local(
       config, {}, {}, psx::optim::Adagrad{.lr = 0.1});
   const std::vector<float> in_process = train_dynamic(local);

@@ -583,6 +583,18 @@ inline std::uint64_t fingerprint(std::size_t num_servers, std::size_t num_worker
     word(static_cast<std::uint64_t>(v.meta.kind));
     word(static_cast<std::uint64_t>(v.meta.dtype));
     word(v.trainable);
+    if (v.meta.kind == VariableKind::dynamic) {
+      // Every process must place ids on the same ring and treat them alike.
+      const TableOptions& t = v.table;
+      const Admission& a = t.admission;
+      std::uint64_t p;
+      std::memcpy(&p, &a.probability, sizeof p);
+      for (const std::uint64_t x : {std::uint64_t(a.kind), std::uint64_t{a.pushes}, p, a.seed, std::uint64_t{a.sketch_width},
+                                    std::uint64_t{a.sketch_depth}, a.sketch_window, t.ttl_steps, t.ttl_sweep_steps,
+                                    t.memory_cap_bytes, std::uint64_t{t.virtual_nodes}, std::uint64_t{t.stripes},
+                                    t.removal_log_limit})
+        word(x);
+    }
     word(v.shards.size());
     for (const Shard& s : v.shards) {
       word(s.server);
