@@ -284,7 +284,7 @@ class Server final : public RequestHandler {
     for (std::size_t j = 0; j < item.ids.size(); ++j) {
       const std::uint64_t id = item.ids[j];
       const std::size_t pos = item.positions.empty() ? j : item.positions[j];
-      if (s.table && s.var->ring.server(id) != index_)
+      if (s.table && s.var->ring.servers() > 1 && s.var->ring.server(id) != index_)
         throw wire_error("psx: " + where(r) + ": id " + std::to_string(id) + " of dynamic table '" + name +
                          "' belongs to server " + std::to_string(s.var->ring.server(id)) +
                          " (the worker places ids on another ring)");

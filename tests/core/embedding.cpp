@@ -651,3 +651,32 @@ TEST_CASE("embedding: a time to live at the top of the range never evicts, and w
   CHECK(w.stats().bytes < (4u << 20));
   CHECK(w.stats().bytes >= 3 * (1u << 20));
 }
+
+TEST_CASE("embedding: the default sweep period, and least-recently-used ties broken by id") {
+  const psx::optim::SGD sgd{.lr = 1.0};
+  TableOptions o;
+  o.ttl_steps = 32;  // swept every 32 / 16 = 2 steps
+  DynamicTable<psx::optim::SGD> t("emb", 1, {}, o, sgd);
+  push(t, sgd, {7}, 1.0f, 1, 1);
+  for (std::uint64_t step = 2; step <= 33; ++step) push(t, sgd, {8}, 1.0f, step, 1);
+  CHECK(t.contains(7));  // 33 - 1 is not more than 32
+  push(t, sgd, {8}, 1.0f, 34, 1);
+  push(t, sgd, {8}, 1.0f, 35, 1);
+  CHECK(!t.contains(7));  // expired at 34, gone by the sweep at 35
+  // One stripe at its minimum: 24 rows fill its index to 3/4; the 25th
+  // evicts one row, the least recently used, the smallest id among equals.
+  TableOptions small;
+  small.stripes = 1;
+  small.memory_cap_bytes = psx::detail::table_minimum_bytes(1, 0, small);
+  DynamicTable<psx::optim::SGD> lru("emb", 1, {}, small, sgd);
+  std::vector<std::uint64_t> ids;
+  for (std::uint64_t id = 100; id < 124; ++id) ids.push_back(id);
+  push(lru, sgd, ids, 1.0f, 1, 1);
+  CHECK(lru.size() == 24);
+  push(lru, sgd, {5}, 1.0f, 1, 1);
+  CHECK(lru.contains(5));
+  CHECK(!lru.contains(100));
+  for (std::uint64_t id = 101; id < 124; ++id) CHECK(lru.contains(id));
+  CHECK(lru.stats().evicted_memory == 1);
+  CHECK(lru.stats().bytes <= small.memory_cap_bytes);
+}
