@@ -247,6 +247,16 @@ inline std::uint64_t table_minimum_bytes(std::size_t dim, std::size_t slots, con
   return sketch + std::uint64_t{o.stripes} * (32 * 16 + 2 * table_chunk_rows(record) * record);
 }
 
+// Refuses a memory cap below table_minimum_bytes (config_error naming the table).
+inline void check_table_cap(const std::string& name, std::size_t dim, std::size_t slots, const TableOptions& o) {
+  const std::uint64_t minimum = table_minimum_bytes(dim, slots, o);
+  if (o.memory_cap_bytes != 0 && o.memory_cap_bytes < minimum)
+    throw config_error("psx: dynamic table '" + name + "': memory_cap_bytes " + std::to_string(o.memory_cap_bytes) +
+                       " is below its minimum of " + std::to_string(minimum) + " per server (dim " +
+                       std::to_string(dim) + ", " + std::to_string(slots) + " optimizer slots, " +
+                       std::to_string(o.stripes) + " stripes)");
+}
+
 }  // namespace detail
 
 //! One server's part of a dynamic table, updated by optimizer type `O`.
@@ -276,13 +286,8 @@ class DynamicTable {
     chunk_rows_ = detail::table_chunk_rows(stride_);
     chunk_shift_ = std::countr_zero(chunk_rows_);
     chunk_bytes_ = std::uint64_t{chunk_rows_} * stride_;
+    detail::check_table_cap(name_, dim, slots_, options);
     if (options.memory_cap_bytes != 0) {
-      const std::uint64_t minimum = detail::table_minimum_bytes(dim, slots_, options);
-      if (options.memory_cap_bytes < minimum)
-        throw config_error("psx: dynamic table '" + name_ + "': memory_cap_bytes " +
-                           std::to_string(options.memory_cap_bytes) + " is below its minimum of " +
-                           std::to_string(minimum) + " (dim " + std::to_string(dim) + ", " + std::to_string(slots_) +
-                           " optimizer slots, " + std::to_string(options.stripes) + " stripes)");
       stripe_budget_ = (options.memory_cap_bytes - (sketch_ ? sketch_->bytes() : 0)) / options.stripes;
     }
     for (std::uint32_t s = 0; s < options.stripes; ++s) {

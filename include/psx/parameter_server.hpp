@@ -400,11 +400,7 @@ class ParameterServer {
     const std::size_t n = config().num_servers;
     if (!accepts_rows<O>())
       throw config_error("psx: dynamic table '" + info.meta.name + "': the optimizer does not apply row pushes");
-    const std::uint64_t minimum = detail::table_minimum_bytes(info.meta.row_width, optimizer_.slots(), options);
-    if (options.memory_cap_bytes != 0 && options.memory_cap_bytes < minimum)
-      throw config_error("psx: dynamic table '" + info.meta.name + "': memory_cap_bytes " +
-                         std::to_string(options.memory_cap_bytes) + " is below its minimum of " +
-                         std::to_string(minimum) + " per server");
+    detail::check_table_cap(info.meta.name, info.meta.row_width, optimizer_.slots(), options);  // at declare, not start
     info.table = options;
     info.ring = detail::HashRing(n, options.virtual_nodes);
     for (std::size_t k = 0; k < n; ++k) info.shards.push_back({k, 0, 0});
