@@ -25,10 +25,12 @@
 //! parts (a reader-writer lock each), each an open-addressing index
 //! (linear probing, backward-shift deletion) over records allocated in
 //! chunks (the row's bookkeeping, then its parameters and slots, `dim * (1 +
-//! slots)` floats). A call groups its ids by stripe and locks each stripe
-//! once, holding one lock at a time; within a stripe it asks for every
-//! index entry and then every record at once before reading them, so that
-//! the cache misses of random ids overlap. A memory cap is split evenly
+//! slots)` floats). A call groups its ids by stripe and takes them a window
+//! at a time: the stripes holding the next 128 ids are locked in ascending
+//! order (so two calls never wait on each other in a cycle), every index
+//! entry of the window is asked for, then every record, before any is read,
+//! so that the cache misses of random ids overlap instead of following one
+//! another; then the window's locks are let go. A memory cap is split evenly
 //! over the stripes, each evicting its own least recently used rows
 //! (RocksDB's sharded LRU cache does the same).
 #pragma once
@@ -340,23 +342,20 @@ class DynamicTable {
     auto dst = [&](std::size_t j) { return out.data() + (positions.empty() ? j : positions[j]) * dim_; };
     std::vector<std::uint32_t> unseen;
     const Batch batch = group(ids);
-    for (std::uint32_t s = 0; s < options_.stripes; ++s) {
-      const std::uint32_t first = batch.start[s], last = batch.start[s + 1];
-      if (first == last) continue;
-      const Stripe& st = stripes_[s];
-      std::shared_lock lock(st.mu);
-      prefetch_group(st, ids, batch, first, last);
+    std::vector<std::uint32_t> slots(ids.size());
+    for_each_window<std::shared_lock<std::shared_mutex>>(batch, [&](std::uint32_t first, std::uint32_t last) {
+      find_window(ids, batch, first, last, slots, false);
       for (std::uint32_t k = first; k < last; ++k) {
         const std::uint32_t j = batch.order[k];
-        const std::uint32_t slot = find(st, ids[j], batch.hash[j]);
-        if (slot == empty_slot) {
+        if (slots[k] == empty_slot) {
           unseen.push_back(j);
           continue;
         }
-        std::memcpy(dst(j), record(st, slot), dim_ * sizeof(float));
-        touch(meta(st, slot).used, step);
+        const Stripe& st = stripe(batch.hash[j]);
+        copy_row(dst(j), record(st, slots[k]));
+        if (stripe_budget_ != 0) touch(meta(st, slots[k]).used, step);  // the LRU clock: read only under a cap
       }
-    }
+    });
     for (const std::uint32_t j : unseen) init_.fill_row(name_, ids[j], std::span<float>(dst(j), dim_));
   }
 
@@ -373,20 +372,46 @@ class DynamicTable {
   //! then runs the time-to-live sweep when one is due.
   void apply(const O& optimizer, const detail::RowAccumulator& rows, const UpdateContext& ctx) {
     std::vector<float*> bases(slots_);
-    const std::uint64_t step = ctx.global_step;
-    const Batch batch = group(rows.rows());
-    for (std::uint32_t s = 0; s < options_.stripes; ++s) {
-      const std::uint32_t first = batch.start[s], last = batch.start[s + 1];
-      if (first == last) continue;
-      Stripe& st = stripes_[s];
-      std::unique_lock lock(st.mu);
-      prefetch_group(st, rows.rows(), batch, first, last);
-      for (std::uint32_t i = first; i < last; ++i) {
-        const std::uint32_t k = batch.order[i];
-        apply_row(optimizer, st, rows.rows()[k], batch.hash[k], rows.row_data(k), bases, ctx);
+    const std::span<const std::uint64_t> ids(rows.rows());
+    const Batch batch = group(ids);
+    std::vector<std::uint32_t> slots(ids.size());
+    std::vector<RowMeta*> changed;
+    for_each_window<std::unique_lock<std::shared_mutex>>(batch, [&](std::uint32_t first, std::uint32_t last) {
+      find_window(ids, batch, first, last, slots, true);
+      // The rows changed get one version each, taken together at the end
+      // (still under the window's locks, so no export reads a row of it
+      // before its version is there), and also when an admission or an
+      // eviction throws halfway: a row updated without a new version would
+      // be missing from every later delta. A record updated, evicted and
+      // reused within the window is listed twice and keeps the later version.
+      changed.clear();
+      changed.reserve(last - first);  // each id adds at most one: no push_back below throws
+      auto versions = [&] {
+        if (changed.empty()) return;
+        const std::uint64_t base = version_.fetch_add(changed.size(), std::memory_order_acq_rel);
+        for (std::size_t i = 0; i < changed.size(); ++i) changed[i]->version = base + 1 + i;
+      };
+      // A stripe's ids are applied one after the other, and only their own
+      // evictions erase its rows meanwhile: a slot found stays the id's
+      // until then (an eviction frees the evicted ids' records, which an
+      // admission may take over; then the ids left are looked up again).
+      const Stripe* current = nullptr;
+      std::uint64_t erasures = 0;
+      try {
+        for (std::uint32_t i = first; i < last; ++i) {
+          const std::uint32_t k = batch.order[i];
+          Stripe& st = stripe(batch.hash[k]);
+          if (&st != current) current = &st, erasures = st.erasures;
+          const std::uint32_t slot = st.erasures == erasures ? slots[i] : find(st, ids[k], batch.hash[k]);
+          apply_row(optimizer, st, ids[k], batch.hash[k], slot, rows.row_data(k), bases, changed, ctx);
+        }
+      } catch (...) {
+        versions();
+        throw;
       }
-    }
-    sweep_if_due(step);
+      versions();
+    });
+    sweep_if_due(ctx.global_step);
   }
 
   //! Sums the gradient rows of repeated ids, then applies them (`apply`).
@@ -491,6 +516,10 @@ class DynamicTable {
 
  private:
   static constexpr std::uint32_t empty_slot = 0xffffffffu;
+  // Ids looked up together (find_window): enough misses in flight to hide
+  // the memory latency (64-256 measured alike, 16 slower), few enough
+  // stripes locked at once.
+  static constexpr std::uint32_t kWindow = 128;
   // An unordered_map node with its bucket: what one remembered removal costs.
   static constexpr std::uint64_t removal_entry_bytes = 48;
 
@@ -513,13 +542,15 @@ class DynamicTable {
     std::uint64_t bytes = 0;  // index and chunks: what the stripe's budget bounds
     std::unordered_map<std::uint64_t, std::uint64_t> removed;  // id -> version of its removal
     std::uint64_t removed_floor = 0;  // removals up to this version are forgotten
+    std::uint64_t erasures = 0;       // rows erased so far (a record freed may be taken by another id)
   };
 
   // One stored id's update (under its stripe's lock), admitting it first when it is not stored.
-  void apply_row(const O& optimizer, Stripe& st, std::uint64_t id, std::uint64_t h, const float* g,
-                 std::vector<float*>& bases, const UpdateContext& ctx) {
+  // `slot`: where the id is stored (empty_slot: it is not).
+  // The row updated goes to `changed`, for its version.
+  void apply_row(const O& optimizer, Stripe& st, std::uint64_t id, std::uint64_t h, std::uint32_t slot, const float* g,
+                 std::vector<float*>& bases, std::vector<RowMeta*>& changed, const UpdateContext& ctx) {
     const std::uint64_t step = ctx.global_step;
-    std::uint32_t slot = find(st, id, h);
     if (slot == empty_slot) {
       if (!admit(id, step)) {
         refused_.fetch_add(1, std::memory_order_relaxed);
@@ -540,7 +571,7 @@ class DynamicTable {
     optimizer.update(std::span<float>(w, dim_), std::span<const float>(g, dim_), SlotView(bases.data(), slots_, 0, dim_),
                      ctx);
     RowMeta& m = meta(st, slot);
-    m.version = next_version();
+    changed.push_back(&m);
     m.updated = std::max(m.updated, step);
     touch(m.used, step);
   }
@@ -570,19 +601,54 @@ class DynamicTable {
     return b;
   }
 
-  // Random lookups are bound by memory latency: ask for every index entry
-  // of a stripe's group at once, then for the records they name, so that
-  // the misses overlap instead of following one another (the caller holds
-  // the stripe's lock; the lookups that follow find it all in cache).
-  void prefetch_group(const Stripe& st, std::span<const std::uint64_t> ids, const Batch& batch, std::uint32_t first,
-                      std::uint32_t last) const noexcept {
-    const std::size_t mask = st.index.size() - 1;
-    for (std::uint32_t k = first; k < last; ++k) __builtin_prefetch(&st.index[batch.hash[batch.order[k]] & mask]);
+  // Locks the stripes of the next kWindow ids of `batch` (or more: whole
+  // stripes), in ascending order, and calls body(first, last) on positions
+  // [first, last) of `batch.order`; then lets them go.
+  template <class Lock, class Body>
+  void for_each_window(const Batch& batch, Body&& body) const {
+    std::vector<Lock> locks;
+    for (std::uint32_t s0 = 0; s0 < options_.stripes;) {
+      std::uint32_t s1 = s0;
+      while (s1 < options_.stripes && batch.start[s1] - batch.start[s0] < kWindow) ++s1;
+      for (std::uint32_t s = s0; s < s1; ++s)
+        if (batch.start[s] != batch.start[s + 1]) locks.emplace_back(stripes_[s].mu);
+      if (batch.start[s0] != batch.start[s1]) body(batch.start[s0], batch.start[s1]);
+      locks.clear();
+      s0 = s1;
+    }
+  }
+
+  // Random lookups are bound by memory latency: asks for every index entry
+  // of a window at once, then finds each id (`slots[k]`, empty_slot when not
+  // stored) and asks for the record lines a pull or an update reads, so
+  // that the misses overlap instead of following one another (the caller
+  // holds the window's locks). `whole`: the slots too, not only the row.
+  void find_window(std::span<const std::uint64_t> ids, const Batch& batch, std::uint32_t first, std::uint32_t last,
+                   std::vector<std::uint32_t>& slots, bool whole) const noexcept {
+    for (std::uint32_t k = first; k < last; ++k) {
+      const std::uint64_t h = batch.hash[batch.order[k]];
+      const Stripe& st = stripe(h);
+      __builtin_prefetch(&st.index[h & (st.index.size() - 1)]);
+    }
+    // A wide row's later lines come by the hardware's own (sequential) prefetch.
+    const std::size_t bytes = std::min<std::size_t>(whole ? stride_ : sizeof(RowMeta) + dim_ * sizeof(float), 1024);
     for (std::uint32_t k = first; k < last; ++k) {
       const std::uint32_t j = batch.order[k];
-      const std::uint32_t slot = find(st, ids[j], batch.hash[j]);
-      if (slot != empty_slot) __builtin_prefetch(record_bytes(st, slot));
+      const Stripe& st = stripe(batch.hash[j]);
+      slots[k] = find(st, ids[j], batch.hash[j]);
+      if (slots[k] == empty_slot) continue;
+      const std::byte* r = record_bytes(st, slots[k]);
+      for (std::size_t b = whole ? 0 : sizeof(RowMeta); b < bytes; b += 64) __builtin_prefetch(r + b);
+      __builtin_prefetch(r + bytes - 1);
     }
+  }
+
+  // A row's copy, inlined (a libc memcpy call per short row costs more than the copy).
+  void copy_row(float* __restrict dst, const float* __restrict src) const noexcept {
+    std::size_t i = 0;
+    for (; i + 16 <= dim_; i += 16) std::memcpy(dst + i, src + i, 16 * sizeof(float));
+    for (; i + 4 <= dim_; i += 4) std::memcpy(dst + i, src + i, 4 * sizeof(float));
+    for (; i < dim_; ++i) dst[i] = src[i];
   }
 
   static std::uint64_t hash(std::uint64_t id) noexcept { return detail::mix64(id ^ 0x9e6c63d0676a9a99ull); }
@@ -711,6 +777,7 @@ class DynamicTable {
     }
     st.index[i] = Entry{};
     --st.count;
+    ++st.erasures;
     rows_.fetch_sub(1, std::memory_order_relaxed);
     const std::uint64_t v = next_version();
     if (options_.removal_log_limit == 0) {  // nothing remembered: no delta from before this removal

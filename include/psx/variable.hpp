@@ -87,10 +87,30 @@ struct Initializer {
   //! Fills `out` with the initial row of feature id `id` of the dynamic
   //! table `name` (psx/embedding.hpp): element `i` is drawn from a stream
   //! keyed by the name, the seed and the id, so any 64-bit id has its own
-  //! values and no two ids share a stream.
+  //! values and no two ids share a stream. Uniform rows take two 24-bit
+  //! draws (a float's precision) from each word of the stream (SplitMix64:
+  //! word `w` is mix64(key + (w + 1) * golden)): a table pulls an unseen
+  //! id's row on every pull, so this is on the hot path.
   void fill_row(std::string_view name, std::uint64_t id, std::span<float> out) const noexcept {
     const std::uint64_t key = detail::mix64(stream_key(name) ^ detail::mix64(id ^ 0x6a09e667f3bcc908ull));
-    for (std::size_t i = 0; i < out.size(); ++i) out[i] = value_at(key, i);
+    if (kind != Kind::uniform) {
+      for (std::size_t i = 0; i < out.size(); ++i) out[i] = value_at(key, i);
+      return;
+    }
+    const double low = a, width = static_cast<double>(b) - a;
+    const float below_high = a < b ? std::nextafter(b, a) : std::numeric_limits<float>::infinity();
+    auto at = [&](std::uint64_t bits24) {
+      // The top draws of [low, high) may round to `high` as a float: keep them below it.
+      return std::min(static_cast<float>(low + width * (static_cast<double>(bits24) * 0x1.0p-24)), below_high);
+    };
+    const std::size_t n = out.size();
+    std::size_t i = 0;
+    for (std::uint64_t w = 1; i + 2 <= n; i += 2, ++w) {
+      const std::uint64_t bits = detail::mix64(key + w * 0x9e3779b97f4a7c15ull);
+      out[i] = at(bits >> 40);
+      out[i + 1] = at((bits >> 16) & 0xffffff);
+    }
+    if (i < n) out[i] = at(detail::mix64(key + (i / 2 + 1) * 0x9e3779b97f4a7c15ull) >> 40);
   }
 
   friend bool operator==(const Initializer&, const Initializer&) = default;

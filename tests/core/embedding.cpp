@@ -405,6 +405,19 @@ TEST_CASE("embedding: every 64-bit id maps to exactly one server, at the ring's 
     }
     CHECK(ring.server(id_at(0)) == owners.front());
     CHECK(ring.server(id_at(max_id)) == (points.back() == max_id ? owners.back() : owners.front()));
+    // Around every boundary of 2^bits equal parts of the circle (the lookup's
+    // buckets are such parts), against a search of the points.
+    auto owner_at = [&](std::uint64_t p) {
+      const auto it = std::lower_bound(points.begin(), points.end(), p);
+      return owners[it == points.end() ? 0 : static_cast<std::size_t>(it - points.begin())];
+    };
+    for (int bits = 6; bits <= 14; ++bits)
+      for (std::uint64_t b = 0; b < (std::uint64_t{1} << bits); ++b) {
+        const std::uint64_t p = b << (64 - bits);
+        REQUIRE(ring.server(id_at(p)) == owner_at(p));
+        REQUIRE(ring.server(id_at(p - 1)) == owner_at(p - 1));
+        REQUIRE(ring.server(id_at(p + (std::uint64_t{1} << (63 - bits)))) == owner_at(p + (std::uint64_t{1} << (63 - bits))));
+      }
     for (const std::uint64_t id : {std::uint64_t{0}, std::uint64_t{1}, std::uint64_t{1} << 63, max_id - 1, max_id})
       CHECK(ring.server(id) < n);
     std::vector<std::size_t> load(n);
@@ -679,4 +692,135 @@ TEST_CASE("embedding: the default sweep period, and least-recently-used ties bro
   for (std::uint64_t id = 101; id < 124; ++id) CHECK(lru.contains(id));
   CHECK(lru.stats().evicted_memory == 1);
   CHECK(lru.stats().bytes <= small.memory_cap_bytes);
+}
+
+TEST_CASE("embedding: uniform initial rows: in range, uncorrelated neighbours, odd widths too") {
+  const auto init = psx::Initializer::uniform(-0.25f, 0.75f, 5);
+  double sum = 0, squares = 0, lag1 = 0;  // lag1: products of neighbours (each pair of a 64-bit word, and across)
+  std::size_t n = 0, pairs = 0, equal_neighbours = 0;
+  for (const std::size_t dim : {1, 2, 3, 7, 16, 33}) {
+    for (std::uint64_t id = 0; id < 3000; ++id) {
+      const std::vector<float> row = initial(init, "emb", id * 0x9e3779b97f4a7c15ull + 1, dim);
+      for (std::size_t i = 0; i < dim; ++i) {
+        REQUIRE(row[i] >= -0.25f);
+        REQUIRE(row[i] < 0.75f);
+        sum += row[i];
+        squares += double{row[i]} * row[i];
+        ++n;
+        if (i + 1 < dim) {
+          lag1 += (double{row[i]} - 0.25) * (double{row[i + 1]} - 0.25);
+          equal_neighbours += row[i] == row[i + 1];
+          ++pairs;
+        }
+      }
+      // A row is the prefix of any wider row of the same id: the stream does not depend on the width.
+      const std::vector<float> wider = initial(init, "emb", id * 0x9e3779b97f4a7c15ull + 1, dim + 1);
+      CHECK(std::equal(row.begin(), row.end(), wider.begin()));
+    }
+  }
+  const double mean = sum / static_cast<double>(n), var = squares / static_cast<double>(n) - mean * mean;
+  CHECK(std::abs(mean - 0.25) < 0.005);         // 186k draws: the standard error is 0.0007
+  CHECK(std::abs(var - 1.0 / 12) < 0.002);      // the standard error is 0.0002
+  CHECK(std::abs(lag1 / static_cast<double>(pairs) / (1.0 / 12)) < 0.02);  // correlation; error 0.0024
+  CHECK(equal_neighbours <= 2);  // two 24-bit draws agree with odds 2^-24
+  // Draws that round up to `high` as a float stay below it: in a range one
+  // float wide, half the draws would round to `high`.
+  const auto narrow = psx::Initializer::uniform(1.0f, std::nextafter(1.0f, 2.0f), 1);
+  for (std::uint64_t id = 0; id < 100; ++id)
+    for (const float x : initial(narrow, "emb", id, 16)) REQUIRE(x == 1.0f);
+}
+
+TEST_CASE("embedding: pulls of stored and unseen ids land in their positions, any width") {
+  const psx::optim::SGD sgd{.lr = 1.0};
+  const auto init = psx::Initializer::uniform(-1.0f, 1.0f, 9);
+  for (const std::size_t dim : {1, 3, 5, 17, 36}) {
+    DynamicTable<psx::optim::SGD> t("emb", dim, init, {}, sgd);
+    std::vector<std::uint64_t> stored, all;
+    for (std::uint64_t k = 0; k < 700; ++k) {
+      const std::uint64_t id = psx::detail::mix64(k + 1000 * dim);
+      all.push_back(id);
+      if (k % 3 != 0) stored.push_back(id);
+    }
+    push(t, sgd, stored, 0.5f, 1, dim);
+    // Positions reversed: row j of the call lands in row 699 - j of the buffer.
+    std::vector<std::uint32_t> positions(all.size());
+    for (std::uint32_t j = 0; j < positions.size(); ++j) positions[j] = static_cast<std::uint32_t>(all.size() - 1 - j);
+    std::vector<float> out(all.size() * dim);
+    t.pull(all, positions, out, 2);
+    for (std::size_t j = 0; j < all.size(); ++j) {
+      std::vector<float> want = initial(init, "emb", all[j], dim);
+      if (j % 3 != 0)
+        for (float& x : want) x -= 0.5f;
+      const float* got = out.data() + positions[j] * dim;
+      REQUIRE(std::equal(want.begin(), want.end(), got));
+    }
+  }
+}
+
+TEST_CASE("embedding: evictions in the middle of a push leave every other row's update in its own row") {
+  // Each id's gradient is (-1, -f(id)) with SGD at lr 1: a stored row is its
+  // initial value plus (k, k * f(id)) after k updates. An update written to
+  // another id's record (a slot looked up before an eviction handed it to
+  // another id) would break that for some row. Caps so small that every
+  // push of new ids evicts rows it still has to update.
+  const psx::optim::SGD sgd{.lr = 1.0};
+  const auto init = psx::Initializer::uniform(-1.0f, 1.0f, 3);
+  auto f = [](std::uint64_t id) { return 1.0f + static_cast<float>(id % 13) * 0.25f; };
+  for (const std::uint32_t stripes : {1u, 4u}) {
+    TableOptions o;
+    o.stripes = stripes;
+    // Tight enough that a push's own stored ids are evicted before their turn (in every stripe).
+    o.memory_cap_bytes = (stripes == 1 ? 4 : 1) * psx::detail::table_minimum_bytes(2, 0, o);
+    DynamicTable<psx::optim::SGD> t("emb", 2, init, o, sgd);
+    std::uint64_t next = 1;
+    std::vector<std::uint64_t> recent;
+    for (std::uint64_t step = 1; step <= 150; ++step) {
+      // Stored ids from the last pushes, interleaved with new ones, so a window holds both.
+      std::vector<std::uint64_t> ids;
+      for (std::size_t k = 0; k < 60; ++k) {
+        ids.push_back(next++);
+        if (k < recent.size()) ids.push_back(recent[recent.size() - 1 - k]);
+      }
+      std::vector<float> g;
+      for (const std::uint64_t id : ids) g.insert(g.end(), {-1.0f, -f(id)});
+      t.push(sgd, ids, g, at_step(step));
+      recent.assign(ids.begin(), ids.end());
+      const psx::TableExport all = t.export_rows();
+      REQUIRE(!all.ids.empty());
+      for (std::size_t k = 0; k < all.ids.size(); ++k) {
+        const std::vector<float> first = initial(init, "emb", all.ids[k], 2);
+        const double updates = double{all.row(k)[0]} - first[0];
+        INFO("id " << all.ids[k] << " at step " << step);
+        REQUIRE(updates == doctest::Approx(std::round(updates)).epsilon(1e-4));
+        REQUIRE(std::round(updates) >= 1.0);
+        REQUIRE(double{all.row(k)[1]} - first[1] == doctest::Approx(std::round(updates) * f(all.ids[k])).epsilon(1e-4));
+      }
+    }
+    CHECK(t.stats().evicted_memory > 1000);
+    CHECK(t.stats().bytes <= o.memory_cap_bytes);
+  }
+}
+
+TEST_CASE("embedding: under a cap, a row only pulled counts as used") {
+  // One stripe at its minimum holds 24 rows; the 25th evicts one, the least
+  // recently used. Rows 100..111 pulled at step 2 are more recent than rows
+  // 112..123, pushed at step 1 only, so 112 goes (without the pull's mark,
+  // 100 would: the smallest id among equals).
+  const psx::optim::SGD sgd{.lr = 1.0};
+  TableOptions small;
+  small.stripes = 1;
+  small.memory_cap_bytes = psx::detail::table_minimum_bytes(1, 0, small);
+  DynamicTable<psx::optim::SGD> t("emb", 1, {}, small, sgd);
+  std::vector<std::uint64_t> ids;
+  for (std::uint64_t id = 100; id < 124; ++id) ids.push_back(id);
+  push(t, sgd, ids, 1.0f, 1, 1);
+  REQUIRE(t.size() == 24);
+  const std::vector<std::uint64_t> pulled(ids.begin(), ids.begin() + 12);
+  std::vector<float> out(pulled.size());
+  t.pull(pulled, {}, out, 2);
+  push(t, sgd, {5}, 1.0f, 3, 1);
+  CHECK(t.stats().evicted_memory == 1);
+  CHECK(t.contains(5));
+  CHECK(!t.contains(112));
+  for (const std::uint64_t id : pulled) CHECK(t.contains(id));
 }

@@ -47,6 +47,18 @@ class HashRing {
       starts_[b] = static_cast<std::uint32_t>(k);
     }
     starts_.back() = static_cast<std::uint32_t>(points_.size());
+    // Most buckets (about 4 for each point) hold no point, or only points of
+    // the server that also owns the first point after the bucket: every key
+    // of such a bucket has that one owner, found without a search (with 2
+    // servers of 1024 points each, 88% of the buckets).
+    bucket_owner_.resize(starts_.size() - 1, mixed);
+    for (std::size_t b = 0; b < bucket_owner_.size() && !points_.empty(); ++b) {
+      const std::uint32_t first = starts_[b], last = starts_[b + 1];
+      const std::uint32_t after = owners_[last == points_.size() ? 0 : last];
+      bool one = true;
+      for (std::uint32_t q = first; q < last && one; ++q) one = owners_[q] == after;
+      bucket_owner_[b] = one && after < mixed ? static_cast<std::uint16_t>(after) : mixed;
+    }
   }
 
   //! Servers on the ring.
@@ -63,6 +75,7 @@ class HashRing {
     if (points_.empty()) return 0;
     const std::uint64_t h = position(key);
     const std::size_t b = h >> shift_;
+    if (const std::uint16_t owner = bucket_owner_[b]; owner != mixed) return owner;
     auto first = points_.begin() + starts_[b];
     auto last = points_.begin() + starts_[b + 1];
     // Past the bucket's points: the next bucket's first point, or around to the first.
@@ -83,6 +96,10 @@ class HashRing {
   std::vector<std::uint64_t> points_;
   std::vector<std::uint32_t> owners_;
   std::vector<std::uint32_t> starts_;
+  // The one owner of each bucket's keys, or `mixed` (several owners, or a
+  // server index too large for 16 bits): 16 bits keep the table in cache.
+  static constexpr std::uint16_t mixed = 0xffff;
+  std::vector<std::uint16_t> bucket_owner_;
   int shift_ = 63;
 };
 
