@@ -665,7 +665,7 @@ TEST_CASE("embedding: a time to live at the top of the range never evicts, and w
   CHECK(w.stats().bytes >= 3 * (1u << 20));
 }
 
-TEST_CASE("embedding: the default sweep period, and least-recently-used ties broken by id") {
+TEST_CASE("embedding: the default sweep period, least-recently-used ties broken by id, pulls as uses") {
   const psx::optim::SGD sgd{.lr = 1.0};
   TableOptions o;
   o.ttl_steps = 32;  // swept every 32 / 16 = 2 steps
@@ -692,6 +692,19 @@ TEST_CASE("embedding: the default sweep period, and least-recently-used ties bro
   for (std::uint64_t id = 101; id < 124; ++id) CHECK(lru.contains(id));
   CHECK(lru.stats().evicted_memory == 1);
   CHECK(lru.stats().bytes <= small.memory_cap_bytes);
+  // A row only pulled counts as used: rows 100..111 pulled at step 2 are
+  // more recent than 112..123, pushed at step 1 only, so 112 goes (without
+  // the pull's mark, 100 would).
+  DynamicTable<psx::optim::SGD> pulled_lru("emb", 1, {}, small, sgd);
+  push(pulled_lru, sgd, ids, 1.0f, 1, 1);
+  const std::vector<std::uint64_t> pulled(ids.begin(), ids.begin() + 12);
+  std::vector<float> out(pulled.size());
+  pulled_lru.pull(pulled, {}, out, 2);
+  push(pulled_lru, sgd, {5}, 1.0f, 3, 1);
+  CHECK(pulled_lru.stats().evicted_memory == 1);
+  CHECK(pulled_lru.contains(5));
+  CHECK(!pulled_lru.contains(112));
+  for (const std::uint64_t id : pulled) CHECK(pulled_lru.contains(id));
 }
 
 TEST_CASE("embedding: uniform initial rows: in range, uncorrelated neighbours, odd widths too") {
@@ -799,28 +812,4 @@ TEST_CASE("embedding: evictions in the middle of a push leave every other row's 
     CHECK(t.stats().evicted_memory > 1000);
     CHECK(t.stats().bytes <= o.memory_cap_bytes);
   }
-}
-
-TEST_CASE("embedding: under a cap, a row only pulled counts as used") {
-  // One stripe at its minimum holds 24 rows; the 25th evicts one, the least
-  // recently used. Rows 100..111 pulled at step 2 are more recent than rows
-  // 112..123, pushed at step 1 only, so 112 goes (without the pull's mark,
-  // 100 would: the smallest id among equals).
-  const psx::optim::SGD sgd{.lr = 1.0};
-  TableOptions small;
-  small.stripes = 1;
-  small.memory_cap_bytes = psx::detail::table_minimum_bytes(1, 0, small);
-  DynamicTable<psx::optim::SGD> t("emb", 1, {}, small, sgd);
-  std::vector<std::uint64_t> ids;
-  for (std::uint64_t id = 100; id < 124; ++id) ids.push_back(id);
-  push(t, sgd, ids, 1.0f, 1, 1);
-  REQUIRE(t.size() == 24);
-  const std::vector<std::uint64_t> pulled(ids.begin(), ids.begin() + 12);
-  std::vector<float> out(pulled.size());
-  t.pull(pulled, {}, out, 2);
-  push(t, sgd, {5}, 1.0f, 3, 1);
-  CHECK(t.stats().evicted_memory == 1);
-  CHECK(t.contains(5));
-  CHECK(!t.contains(112));
-  for (const std::uint64_t id : pulled) CHECK(t.contains(id));
 }
