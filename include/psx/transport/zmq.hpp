@@ -107,13 +107,12 @@ struct Zmq {
   ::psx::detail::wire::Limits limits;
   //! libzmq I/O threads per process.
   int io_threads = 1;
-  //! How long a worker's I/O thread polls without sleeping while an answer
-  //! to a small call (64 KiB or less both ways) is due; an answer that comes
-  //! within it is taken without a thread wake-up. Costs that much CPU per
-  //! call at most. bench_zmq, 4 KiB round trip over tcp on a 2-core
-  //! machine: 1.7x a raw cppzmq ping-pong with 0, 1.1-1.3x with 200 us;
-  //! spinning during 1 MiB transfers cost them up to half their throughput
-  //! there, hence the size limit.
+  //! How long a thread waiting for a small call (64 KiB or less both ways
+  //! for every call in flight) polls the sockets without sleeping; an
+  //! answer that comes within it is taken without a thread wake-up. Costs
+  //! that much CPU per call at most. Spinning during 1 MiB transfers cost
+  //! them up to half their throughput on a 2-core machine, hence the size
+  //! limit.
   std::chrono::microseconds busy_poll{200};
   Curve curve;
 
@@ -327,6 +326,8 @@ class Zmq::link_type {
       throw config_error("psx: request for server " + std::to_string(server) + " of " +
                          std::to_string(ctx_.num_servers));
     auto call = std::make_shared<WorkerCall>();
+    call->waiters = &waiters_;
+    call->finished = &finished_;
     // The call owns the completion only once it is sent or queued: if send
     // throws, the caller finishes this part (Worker::dispatch), and it must
     // not be finished twice.
@@ -387,22 +388,89 @@ class Zmq::link_type {
         lane.outbox.push_back(std::move(frames));
         wake = true;
       }
-      // Registered before the lane is let go: the I/O thread reads this
-      // server's answers only while it holds the lane.
+      // Registered before the lane is let go: answers are read only by
+      // whoever holds the lane. The silence that counts against a server
+      // starts when a call starts waiting on it.
       if (id != 0) {
         call->id = id;
         call->server = server;
-        lane.sent.push_back(call);
+        if (lane.pending.empty()) lane.last_heard = std::max(lane.last_heard, clock::now());
+        lane.pending.emplace(id, call);
       }
       call->done = std::move(done);
       // ZMQ_FD is edge-triggered: this send may have taken the notice of an
       // answer that had come, which the I/O thread then would not see.
       if (!wake && (dealers_[server].get(zmq::sockopt::events) & ZMQ_POLLIN)) wake = true;
-      // A small call's answer comes within a wake-up's time: the I/O thread
-      // wakes now, while the request travels, and looks for it (busy_poll).
-      if (id != 0 && settings_.busy_poll.count() > 0 && call->bytes <= busy_poll_max_bytes) wake = true;
     }
     if (wake) waker_.wake();
+  }
+
+  //! Waits for `done` on the calling thread (Worker calls this before
+  //! `done.wait()`): the caller reads the answers itself, as the thread of
+  //! a raw cppzmq client does, instead of sleeping until the I/O thread has
+  //! read them and woken it. A waiting thread reads every lane (an answer
+  //! it takes may be another caller's: that call finishes as the I/O thread
+  //! would finish it); while one waits, the I/O thread leaves the sockets
+  //! to it and only sends, beats and times out. While every call on the
+  //! lanes is small the waiter polls without sleeping for `busy_poll`
+  //! first. A call finished on another thread (the I/O thread failing it,
+  //! libzmq letting go of its frames last, another waiter reading its
+  //! answer) wakes the waiters through `finished_`.
+  void await(std::size_t, Completion& done) {
+    if (!worker_index_ || !lanes_) return;
+    const std::size_t n = dealers_.size();
+    std::vector<::pollfd> fds(n + 1);
+    waiters_.fetch_add(1);
+    bool undrained = false;
+    struct Leave {
+      link_type& l;
+      bool& undrained;
+      ~Leave() {
+        // The last waiter to go: the I/O thread reads the sockets again,
+        // at once if a call still waits for an answer.
+        bool wake = undrained;
+        if (l.waiters_.fetch_sub(1) == 1)
+          for (std::size_t s = 0; s < l.dealers_.size() && !wake; ++s) {
+            std::lock_guard lock(l.lanes_[s].mu);
+            wake = !l.lanes_[s].pending.empty();
+          }
+        if (wake) l.waker_.wake();
+      }
+    } leave{*this, undrained};
+    bool spun = false;
+    auto nap = std::chrono::milliseconds(1);
+    for (bool look = false; !done.ready(); look = true) {
+      // ZMQ_FD is edge-triggered, and a send looked at its socket last
+      // (waking the I/O thread if an answer was there), so the first look
+      // is a sleep on the descriptors; each one that woke is read until
+      // the socket says EAGAIN, which re-arms its notice.
+      bool small = true;
+      fds[0] = {finished_.fd(), POLLIN, 0};
+      for (std::size_t s = 0; s < n; ++s) {
+        Lane& lane = lanes_[s];
+        std::lock_guard lock(lane.mu);
+        if (lane.closed) return;  // the I/O thread finished every call
+        if (look) undrained = !read_lane(s) || undrained;
+        for (const auto& p : lane.pending) small = small && p.second->bytes <= busy_poll_max_bytes;
+        fds[s + 1] = {dealers_[s].get(zmq::sockopt::fd), POLLIN, 0};
+      }
+      if (undrained || done.ready()) continue;
+      int ready = 0;
+      if (!spun && small && settings_.busy_poll.count() > 0) {
+        spun = true;
+        const auto until = clock::now() + settings_.busy_poll;
+        do {
+          ready = ::poll(fds.data(), fds.size(), 0);
+        } while (ready == 0 && clock::now() < until);
+      }
+      if (ready == 0) {
+        // A bounded sleep: a finish that raced past finished_ (another
+        // waiter drained it first) is seen within it.
+        ready = ::poll(fds.data(), fds.size(), static_cast<int>(nap.count()));
+        if (ready == 0) nap = std::min(nap * 2, std::chrono::milliseconds(50));
+      }
+      if (fds[0].revents & POLLIN) finished_.drain();
+    }
   }
 
   // -- server side ---------------------------------------------------------------
@@ -462,39 +530,43 @@ class Zmq::link_type {
     // When the call fails unless answered (its server restarted), and why.
     clock::time_point deadline = clock::time_point::max();
     std::string deadline_reason;
-    // Finished when the I/O thread and every frame libzmq borrowed let go.
+    // The thread that sent it, and the link's waiters to wake when it
+    // finishes on another thread (that thread may be waiting in await).
+    std::thread::id sender = std::this_thread::get_id();
+    const std::atomic<int>* waiters = nullptr;
+    detail_zmq::Waker* finished = nullptr;
+    // Finished when the reader and every frame libzmq borrowed let go.
     ~WorkerCall() {
-      if (done) done->finish(std::move(error));
+      if (!done) return;
+      done->finish(std::move(error));
+      if (finished && waiters->load() > 0 && std::this_thread::get_id() != sender) finished->wake();
     }
   };
 
-  // The worker's calls waiting for an answer, by call id (I/O thread only).
+  // The calls waiting for one server's answer, by call id.
   using Pending = std::unordered_map<std::uint64_t, std::shared_ptr<WorkerCall>>;
 
-  // Fails and forgets every call waiting on server `s`, each with an error
-  // of its own from `make_error`.
+  // Fails and forgets every call in `pending`, each with an error of its
+  // own from `make_error`.
   template <class MakeError>
-  static void fail_calls(Pending& pending, std::size_t s, const MakeError& make_error) {
-    std::erase_if(pending, [&](auto& p) {
-      if (p.second->server != s) return false;
-      p.second->error = make_error();
-      return true;
-    });
-  }
-  static bool waits_on(const Pending& pending, std::size_t s) {
-    return std::any_of(pending.begin(), pending.end(), [&](const auto& p) { return p.second->server == s; });
+  static void fail_calls(Pending& pending, const MakeError& make_error) {
+    for (auto& p : pending) p.second->error = make_error();
+    pending.clear();
   }
 
   using Frames = std::vector<zmq::message_t>;
 
   // What a worker shares with its callers about one server. Callers send on
-  // the server's socket themselves; the I/O thread receives on it; the lane's
-  // mutex makes them take turns (a socket is not thread-safe, and libzmq
-  // allows a socket to move between threads with a full barrier between).
+  // the server's socket themselves; the I/O thread and waiting callers
+  // receive on it; the lane's mutex makes them take turns (a socket is not
+  // thread-safe, and libzmq allows a socket to move between threads with a
+  // full barrier between).
   struct Lane {
     std::mutex mu;
-    std::deque<Frames> outbox;                      // waits for the socket to take it
-    std::vector<std::shared_ptr<WorkerCall>> sent;  // waits for the I/O thread to expect its answer
+    std::deque<Frames> outbox;  // waits for the socket to take it
+    Pending pending;            // sent, waiting for an answer
+    clock::time_point last_heard = clock::now();
+    bool closed = false;  // the I/O thread has ended: the socket is gone
   };
 
   std::string server_name(std::size_t s) const {
@@ -648,11 +720,14 @@ class Zmq::link_type {
         if (const auto denied = l_.zap_denied_.exchange(0, std::memory_order_relaxed))
           for (std::uint64_t k = 0; k < denied; ++k) h_.link_event(RequestHandler::LinkEvent::rejected);
         auto until = std::min(h_.next_tick(), now + std::chrono::milliseconds(100));
-        zmq::pollitem_t items[] = {
-            {l_.router_.handle(), 0, static_cast<short>(ZMQ_POLLIN | (outbox_.empty() ? 0 : ZMQ_POLLOUT)), 0},
-            {nullptr, l_.waker_.fd(), ZMQ_POLLIN, 0}};
-        detail_zmq::poll(items, 2, std::chrono::milliseconds(detail_zmq::ms_until(until, now)));
-        if (items[1].revents & ZMQ_POLLIN) l_.waker_.drain();
+        // The socket's state first (ZMQ_FD tells only of what changed since
+        // it was last looked at), then a sleep on its descriptor unless it
+        // has something for us: one look, where zmq::poll takes several.
+        const int events = l_.router_.get(zmq::sockopt::events);
+        ::pollfd fds[] = {{l_.router_.get(zmq::sockopt::fd), POLLIN, 0}, {l_.waker_.fd(), POLLIN, 0}};
+        if (!(events & ZMQ_POLLIN) && (outbox_.empty() || !(events & ZMQ_POLLOUT)))
+          ::poll(fds, 2, detail_zmq::ms_until(until, now));
+        if (fds[1].revents & POLLIN) l_.waker_.drain();
         // Take what is there, a bounded batch, so ticks and the outbox are not starved.
         for (int k = 0; k < 256; ++k) {
           std::vector<zmq::message_t> msg;
@@ -977,7 +1052,6 @@ class Zmq::link_type {
         }
       }
     }
-    last_heard_.assign(n, clock::now());
     lanes_ = std::make_unique<Lane[]>(n);
     io_ = std::thread([this] { io_loop(); });
   }
@@ -996,26 +1070,13 @@ class Zmq::link_type {
 
   void io_loop() {
     const std::size_t n = dealers_.size();
-    Pending pending;
     const auto timeout = ctx_.peer_timeout;
     const auto beat = timeout.count() > 0 ? std::max<clock::duration>(timeout / 4, std::chrono::milliseconds(1))
                                           : clock::duration::max();
     auto next_beat = timeout.count() > 0 ? clock::now() + beat : clock::time_point::max();
-    // Lane `s` held: the calls sent since the last look now wait for answers.
-    auto take_sent = [&](std::size_t s) {
-      for (auto& call : lanes_[s].sent) {
-        // The silence that counts against a server starts when a call
-        // starts waiting on it.
-        if (!waits_on(pending, s)) last_heard_[s] = std::max(last_heard_[s], clock::now());
-        const std::uint64_t id = call->id;
-        pending.emplace(id, std::move(call));
-      }
-      lanes_[s].sent.clear();
-    };
+    // Lane `s` held.
     auto fail_server = [&](std::size_t s, const std::string& why) {
-      std::lock_guard lock(lanes_[s].mu);
-      take_sent(s);
-      fail_calls(pending, s, [&] { return std::make_exception_ptr(peer_lost(why)); });
+      fail_calls(lanes_[s].pending, [&] { return std::make_exception_ptr(peer_lost(why)); });
       // libzmq may still hold frames that borrow the callers' buffers, in a
       // pipe to a peer that is gone: a new socket (linger 0 on the old one)
       // lets them go, so the failed calls complete, and reconnects to a
@@ -1032,39 +1093,37 @@ class Zmq::link_type {
         if (closing_) break;
       }
       try {
-        // Send what the sockets take; a full pipe keeps the rest (backpressure).
-        for (std::size_t s = 0; s < n; ++s) {
-          std::lock_guard lock(lanes_[s].mu);
-          send_some(s);
-        }
         const auto now = clock::now();
-        std::erase_if(pending, [&](auto& p) {
-          if (p.second->deadline > now) return false;
-          p.second->error = std::make_exception_ptr(peer_lost(p.second->deadline_reason));
-          return true;
-        });
-        if (now >= next_beat) {
-          next_beat = now + beat;
-          for (std::size_t s = 0; s < n; ++s) {
-            Request hb;
-            hb.op = Op::heartbeat;
-            hb.worker = static_cast<std::uint32_t>(*worker_index_);
-            std::vector<::psx::detail::wire::Segment> none;
-            Frames f;
-            f.push_back(detail_zmq::message_of(
-                ::psx::detail::wire::encode_request(hb, {0, fingerprint_, settings_.chunk_bytes}, none)));
-            std::lock_guard lock(lanes_[s].mu);
-            take_sent(s);
-            lanes_[s].outbox.push_back(std::move(f));
-            send_some(s);
-          }
-          for (std::size_t s = 0; s < n; ++s)
-            if (now - last_heard_[s] > timeout && waits_on(pending, s))
-              fail_server(s,
-                          "psx: " + worker_name() + ": " + server_name(s) + " sent nothing for " +
-                              std::to_string(
-                                  std::chrono::duration_cast<std::chrono::milliseconds>(now - last_heard_[s]).count()) +
-                              " ms while requests waited (peer_timeout " + std::to_string(timeout.count()) + " ms)");
+        const bool beating = now >= next_beat;
+        if (beating) next_beat = now + beat;
+        // Per lane: send what the socket takes (a full pipe keeps the rest:
+        // backpressure), fail the calls past their deadline, beat, and fail
+        // a server silent for longer than the peer timeout while calls
+        // wait on it.
+        for (std::size_t s = 0; s < n; ++s) {
+          Lane& lane = lanes_[s];
+          std::lock_guard lock(lane.mu);
+          send_some(s);
+          std::erase_if(lane.pending, [&](auto& p) {
+            if (p.second->deadline > now) return false;
+            p.second->error = std::make_exception_ptr(peer_lost(p.second->deadline_reason));
+            return true;
+          });
+          if (!beating) continue;
+          Request hb;
+          hb.op = Op::heartbeat;
+          hb.worker = static_cast<std::uint32_t>(*worker_index_);
+          std::vector<::psx::detail::wire::Segment> none;
+          Frames f;
+          f.push_back(detail_zmq::message_of(
+              ::psx::detail::wire::encode_request(hb, {0, fingerprint_, settings_.chunk_bytes}, none)));
+          lane.outbox.push_back(std::move(f));
+          send_some(s);
+          if (now - lane.last_heard > timeout && !lane.pending.empty())
+            fail_server(s, "psx: " + worker_name() + ": " + server_name(s) + " sent nothing for " +
+                               std::to_string(
+                                   std::chrono::duration_cast<std::chrono::milliseconds>(now - lane.last_heard).count()) +
+                               " ms while requests waited (peer_timeout " + std::to_string(timeout.count()) + " ms)");
         }
         // Take the answers there are, and see whether a socket has more to
         // do; a socket's ZMQ_FD tells only of changes since it was last
@@ -1074,47 +1133,19 @@ class Zmq::link_type {
         for (std::size_t s = 0; s < n; ++s) {
           Lane& lane = lanes_[s];
           std::lock_guard lock(lane.mu);
-          take_sent(s);
-          for (int k = 0; k < 256; ++k) {
-            std::vector<zmq::message_t> msg;
-            if (!zmq::recv_multipart(dealers_[s], std::back_inserter(msg), zmq::recv_flags::dontwait)) break;
-            detail_zmq::taken_over();
-            last_heard_[s] = clock::now();
-            if (auto why = on_reply(s, msg, pending); !why.empty()) {
-              // The server restarted. What it held will never be answered;
-              // what reached the new one will: each call still waiting gets
-              // the peer timeout (or start_timeout) more, then fails with why.
-              const auto grace =
-                  timeout.count() > 0 ? clock::duration(timeout) : clock::duration(settings_.start_timeout);
-              for (auto& [id, call] : pending)
-                if (call->server == s) {
-                  call->deadline = std::min(call->deadline, clock::now() + grace);
-                  call->deadline_reason = why;
-                }
-            }
-          }
+          read_lane(s);
           const int events = dealers_[s].get(zmq::sockopt::events);
           if ((events & ZMQ_POLLIN) || (!lane.outbox.empty() && (events & ZMQ_POLLOUT))) again = true;
           fds[s + 1] = {dealers_[s].get(zmq::sockopt::fd), POLLIN, 0};
         }
         if (again) continue;
-        // While an answer is due, look for it without sleeping for a moment:
-        // one that comes then is taken without a thread wake-up.
-        // Only calls whose bytes take less than a wake-up to move: a large
-        // transfer would lose the core the spinning takes.
-        int ready = 0;
-        const bool latency_bound = !pending.empty() && std::all_of(pending.begin(), pending.end(), [](const auto& p) {
-          return p.second->bytes <= busy_poll_max_bytes;
-        });
-        if (latency_bound && settings_.busy_poll.count() > 0) {
-          const auto until = clock::now() + settings_.busy_poll;
-          do {
-            ready = ::poll(fds.data(), fds.size(), 0);
-          } while (ready == 0 && clock::now() < until);
-        }
-        if (ready == 0)
-          ::poll(fds.data(), fds.size(),
-                 detail_zmq::ms_until(std::min(next_beat, now + std::chrono::seconds(1)), clock::now()));
+        // While a caller waits in await it reads the sockets: this thread
+        // looks again within 10 ms (the last waiter to go wakes it).
+        const bool waited_on = waiters_.load() > 0;
+        ::poll(fds.data(), waited_on ? 1 : fds.size(),
+               detail_zmq::ms_until(std::min({next_beat, now + (waited_on ? std::chrono::milliseconds(10)
+                                                                            : std::chrono::milliseconds(1000))}),
+                                    clock::now()));
         if (fds[0].revents & POLLIN) waker_.drain();
       } catch (...) {
         // Out of memory, or libzmq failing: every waiting call fails with
@@ -1128,20 +1159,19 @@ class Zmq::link_type {
         }
         for (std::size_t s = 0; s < n; ++s) {
           std::lock_guard lock(lanes_[s].mu);
-          take_sent(s);
+          fail_calls(lanes_[s].pending, [&] {
+            return std::make_exception_ptr(error("psx: " + worker_name() + ": the I/O thread failed: " + what));
+          });
         }
-        for (auto& [id, call] : pending)
-          call->error = std::make_exception_ptr(error("psx: " + worker_name() + ": the I/O thread failed: " + what));
-        pending.clear();
         std::this_thread::sleep_for(std::chrono::milliseconds(10));
       }
     }
     // Closing (callers see closing_ under their lane and send no more): the
     // chief tells the servers the cluster is done; whatever waits fails; the
     // sockets get their linger to deliver the last frames.
+    const std::string why = "psx: " + worker_name() + ": shut down before the answer came";
     for (std::size_t s = 0; s < n; ++s) {
       std::lock_guard lock(lanes_[s].mu);
-      take_sent(s);
       if (worker_index_ == 0u) {
         Frames f;
         f.push_back(
@@ -1149,15 +1179,38 @@ class Zmq::link_type {
         lanes_[s].outbox.push_back(std::move(f));
       }
       send_some(s);
+      fail_calls(lanes_[s].pending, [&] { return std::make_exception_ptr(shutdown_error(why)); });
     }
-    const std::string why = "psx: " + worker_name() + ": shut down before the answer came";
-    for (auto& [id, call] : pending) call->error = std::make_exception_ptr(shutdown_error(why));
-    pending.clear();
     for (std::size_t s = 0; s < n; ++s) {
       std::lock_guard lock(lanes_[s].mu);
       lanes_[s].outbox.clear();
       dealers_[s].close();
+      lanes_[s].closed = true;
     }
+  }
+
+  // Lane `s` held: takes the answers there are, 256 at most; true when it
+  // took them all (the socket said EAGAIN, so a new answer will be told).
+  bool read_lane(std::size_t s) {
+    Lane& lane = lanes_[s];
+    for (int k = 0; k < 256; ++k) {
+      std::vector<zmq::message_t> msg;
+      if (!zmq::recv_multipart(dealers_[s], std::back_inserter(msg), zmq::recv_flags::dontwait)) return true;
+      detail_zmq::taken_over();
+      lane.last_heard = clock::now();
+      if (auto why = on_reply(s, msg, lane.pending); !why.empty()) {
+        // The server restarted. What it held will never be answered; what
+        // reached the new one will: each call still waiting gets the peer
+        // timeout (or start_timeout) more, then fails with why.
+        const auto grace = ctx_.peer_timeout.count() > 0 ? clock::duration(ctx_.peer_timeout)
+                                                         : clock::duration(settings_.start_timeout);
+        for (auto& [id, call] : lane.pending) {
+          call->deadline = std::min(call->deadline, clock::now() + grace);
+          call->deadline_reason = why;
+        }
+      }
+    }
+    return false;
   }
 
   // Sends one message's frames unless the socket would block; the first
@@ -1198,7 +1251,7 @@ class Zmq::link_type {
       if (p.kind == ::psx::detail::wire::Kind::refuse) {
         // A server that restarted with other declarations, or another version.
         const std::string why = ::psx::detail::wire::decode_refuse(head, where);
-        fail_calls(pending, s, [&] {
+        fail_calls(pending, [&] {
           return ::psx::detail::wire::exception_of(static_cast<::psx::detail::wire::Status>(p.byte7), why);
         });
         return {};
@@ -1271,6 +1324,10 @@ class Zmq::link_type {
   Zmq settings_;
   TransportContext ctx_;
   std::uint64_t fingerprint_;
+  // Callers in await, and their wake-up (before zctx_: libzmq may let go
+  // of a call's frames, which finishes it, until the context is gone).
+  std::atomic<int> waiters_{0};
+  detail_zmq::Waker finished_;
   zmq::context_t zctx_;
   std::optional<std::size_t> server_index_;
   std::optional<std::size_t> worker_index_;
@@ -1288,7 +1345,6 @@ class Zmq::link_type {
   std::vector<std::string> endpoints_;
   std::vector<zmq::socket_t> dealers_;  // dealers_[s] only under lanes_[s].mu once the I/O thread runs
   std::unique_ptr<Lane[]> lanes_;
-  std::vector<clock::time_point> last_heard_;
   std::vector<std::uint64_t> incarnations_;  // each server's, from its welcome
   std::thread io_;
   std::atomic<std::uint64_t> next_call_{0};
