@@ -393,7 +393,6 @@ class Zmq::link_type {
       // starts when a call starts waiting on it.
       if (id != 0) {
         call->id = id;
-        call->server = server;
         if (lane.pending.empty()) lane.last_heard = std::max(lane.last_heard, clock::now());
         lane.pending.emplace(id, call);
       }
@@ -525,7 +524,6 @@ class Zmq::link_type {
     std::vector<Out> outs;
     std::vector<std::vector<float>> gathered;
     std::uint64_t id = 0;
-    std::size_t server = 0;
     std::size_t bytes = 0;  // payload both ways
     // When the call fails unless answered (its server restarted), and why.
     clock::time_point deadline = clock::time_point::max();
@@ -1143,8 +1141,8 @@ class Zmq::link_type {
         // looks again within 10 ms (the last waiter to go wakes it).
         const bool waited_on = waiters_.load() > 0;
         ::poll(fds.data(), waited_on ? 1 : fds.size(),
-               detail_zmq::ms_until(std::min({next_beat, now + (waited_on ? std::chrono::milliseconds(10)
-                                                                            : std::chrono::milliseconds(1000))}),
+               detail_zmq::ms_until(std::min(next_beat, now + (waited_on ? std::chrono::milliseconds(10)
+                                                                          : std::chrono::milliseconds(1000))),
                                     clock::now()));
         if (fds[0].revents & POLLIN) waker_.drain();
       } catch (...) {
@@ -1261,7 +1259,7 @@ class Zmq::link_type {
       // The call it answers fails with the reason, when its id can be read.
       if (head.size() >= 16) {
         auto it = pending.find(::psx::detail::wire::get<std::uint64_t>(head, 8));
-        if (it != pending.end() && it->second->server == s) {
+        if (it != pending.end()) {
           it->second->error = std::current_exception();
           pending.erase(it);
         }
@@ -1269,7 +1267,7 @@ class Zmq::link_type {
       return {};
     }
     auto it = pending.find(rh.call);
-    if (it == pending.end() || it->second->server != s) return {};  // late answer to a call that timed out
+    if (it == pending.end()) return {};  // late answer to a call that timed out
     auto call = std::move(it->second);
     pending.erase(it);
     if (rh.status != ::psx::detail::wire::Status::ok) {
