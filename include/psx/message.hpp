@@ -230,6 +230,11 @@ struct Request {
   //! Finished by the server once the request is answered; may be null for
   //! fire-and-forget messages (clock ticks).
   std::shared_ptr<Completion> done;
+  //! The sender waits for `done` right after sending this, its call's last
+  //! request (a blocking call): a transport may leave it for the waiting
+  //! thread to handle instead of waking a server thread for it
+  //! (`InProcess::waiters_serve`). A hint; it changes no answer.
+  bool caller_waits = false;
 
   void finish(std::exception_ptr error = nullptr) const {
     if (done) done->finish(std::move(error));

@@ -226,13 +226,17 @@ class Worker {
   // -- dense -----------------------------------------------------------------
 
   //! Copies the whole variable `name` into `out` (row-major, exactly its size).
-  void pull(std::string_view name, std::span<float> out) { pull_async(name, out).wait(); }
+  void pull(std::string_view name, std::span<float> out) {
+    blocking([&] { return pull_async(name, out); });
+  }
   Handle pull_async(std::string_view name, std::span<float> out) {
     const PullItem item{name, out};
     return pull_async(std::span<const PullItem>(&item, 1));
   }
   //! Pulls several variables: one message per server, whatever their number.
-  void pull(std::initializer_list<PullItem> items) { pull_async(std::span(items.begin(), items.size())).wait(); }
+  void pull(std::initializer_list<PullItem> items) {
+    blocking([&] { return pull_async(std::span(items.begin(), items.size())); });
+  }
   Handle pull_async(std::span<const PullItem> items) {
     return send_dense(Op::pull, items.size(), [&](std::size_t i) { return std::pair{items[i].name, items[i].out.size()}; },
                       [&](std::size_t i, Item& item, std::size_t first, std::size_t n) {
@@ -245,7 +249,9 @@ class Worker {
   //! otherwise). A float pull of such a variable returns its float32 master.
   template <class T>
     requires std::same_as<T, bfloat16> || std::same_as<T, float16>
-  void pull(std::string_view name, std::span<T> out) { pull_async(name, out).wait(); }
+  void pull(std::string_view name, std::span<T> out) {
+    blocking([&] { return pull_async(name, out); });
+  }
   template <class T>
     requires std::same_as<T, bfloat16> || std::same_as<T, float16>
   Handle pull_async(std::string_view name, std::span<T> out) {
@@ -258,13 +264,17 @@ class Worker {
   }
 
   //! Pushes a gradient for the whole variable `name` (row-major, exactly its size).
-  void push(std::string_view name, std::span<const float> grad) { push_async(name, grad).wait(); }
+  void push(std::string_view name, std::span<const float> grad) {
+    blocking([&] { return push_async(name, grad); });
+  }
   Handle push_async(std::string_view name, std::span<const float> grad) {
     const PushItem item{name, grad};
     return push_async(std::span<const PushItem>(&item, 1));
   }
   //! Pushes several variables: one message per server, whatever their number.
-  void push(std::initializer_list<PushItem> items) { push_async(std::span(items.begin(), items.size())).wait(); }
+  void push(std::initializer_list<PushItem> items) {
+    blocking([&] { return push_async(std::span(items.begin(), items.size())); });
+  }
   Handle push_async(std::span<const PushItem> items) {
     return send_dense(Op::push, items.size(), [&](std::size_t i) { return std::pair{items[i].name, items[i].grad.size()}; },
                       [&](std::size_t i, Item& item, std::size_t first, std::size_t n) {
@@ -291,7 +301,7 @@ class Worker {
   //! Copies rows `ids` of `name` into `out`: row `ids[j]` goes to
   //! `out[j * width, (j + 1) * width)`. Repeated ids are copied each time.
   void pull_rows(std::string_view name, std::span<const std::uint64_t> ids, std::span<float> out) {
-    pull_rows_async(name, ids, out).wait();
+    blocking([&] { return pull_rows_async(name, ids, out); });
   }
   Handle pull_rows_async(std::string_view name, std::span<const std::uint64_t> ids, std::span<float> out) {
     return send_rows(Op::pull_rows, name, ids, {}, out, {});
@@ -301,7 +311,7 @@ class Worker {
   template <class T>
     requires std::same_as<T, bfloat16> || std::same_as<T, float16>
   void pull_rows(std::string_view name, std::span<const std::uint64_t> ids, std::span<T> out) {
-    pull_rows_async(name, ids, out).wait();
+    blocking([&] { return pull_rows_async(name, ids, out); });
   }
   template <class T>
     requires std::same_as<T, bfloat16> || std::same_as<T, float16>
@@ -313,7 +323,7 @@ class Worker {
   //! Pushes gradient rows: row `j` of `grads` is the gradient of row `ids[j]`.
   //! Repeated ids are summed.
   void push_rows(std::string_view name, std::span<const std::uint64_t> ids, std::span<const float> grads) {
-    push_rows_async(name, ids, grads).wait();
+    blocking([&] { return push_rows_async(name, ids, grads); });
   }
   Handle push_rows_async(std::string_view name, std::span<const std::uint64_t> ids, std::span<const float> grads) {
     return send_rows(Op::push_rows, name, ids, grads, {}, {});
@@ -405,6 +415,7 @@ class Worker {
         r.reason = text;
         if (answer) r.items.emplace_back().out = answer(s);
         r.done = done;
+        r.caller_waits = s + 1 == num_servers();
         core_->send(s, std::move(r));
       }
     } catch (...) {  // the parts not sent fail, so the wait below ends
@@ -462,6 +473,12 @@ class Worker {
   // Sends the requests built per server; on a send failure, fails the parts
   // not sent and waits for those sent (they may still touch the buffers).
   Handle dispatch(std::vector<Request>& per_server, std::shared_ptr<Completion> done) {
+    if (blocking_)
+      for (std::size_t k = per_server.size(); k-- > 0;)
+        if (!per_server[k].items.empty()) {
+          per_server[k].caller_waits = true;
+          break;
+        }
     std::size_t s = 0;
     try {
       for (; s < per_server.size(); ++s)
@@ -617,8 +634,25 @@ class Worker {
     return dispatch(per_server, std::move(done));
   }
 
+  // A blocking call: sends as `call` does, its last request marked
+  // Request::caller_waits, and waits.
+  template <class Call>
+  void blocking(Call&& call) {
+    blocking_ = true;
+    Handle h;
+    try {
+      h = call();
+    } catch (...) {
+      blocking_ = false;
+      throw;
+    }
+    blocking_ = false;
+    h.wait();
+  }
+
   detail::ClusterCore* core_;
   std::size_t index_;
+  bool blocking_ = false;  // within blocking(): the requests dispatched are waited for at once
 };
 
 }  // namespace v0

@@ -5,14 +5,20 @@
 
 #include <psx/psx.hpp>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <future>
+#include <memory>
+#include <mutex>
 #include <random>
 #include <span>
 #include <stdexcept>
+#include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 using psx_test::message_of;
@@ -202,6 +208,191 @@ TEST_CASE("asynchronous pushes apply on arrival and pulls never wait") {
   w.push("x", g);
   w.pull("x", out);
   CHECK(out == std::vector<float>(4, 0.0f));
+}
+
+// Sets each element to the gradient pushed (the last push wins) and notes,
+// per update, the value set and the thread that applied it.
+struct LastPushWins {
+  struct Log {
+    std::mutex mu;
+    std::vector<float> values;
+    std::vector<std::thread::id> threads;
+  };
+  std::shared_ptr<Log> log = std::make_shared<Log>();
+  std::size_t slots() const { return 0; }
+  void update(std::span<float> w, std::span<const float> g, const psx::SlotView&, const psx::UpdateContext&) const {
+    std::copy(g.begin(), g.end(), w.begin());
+    std::lock_guard lock(log->mu);
+    log->values.push_back(g[0]);
+    log->threads.push_back(std::this_thread::get_id());
+  }
+};
+
+TEST_CASE("in process, a blocking call is handled by its own thread unless waiters_serve is off; order holds") {
+  Watchdog dog("waiters serve");
+  for (const bool waiters_serve : {true, false}) {
+    CAPTURE(waiters_serve);
+    const LastPushWins opt;
+    psx::ParameterServer<psx::partition::HashByName, psx::sync::Asynchronous, LastPushWins> ps(
+        {1, 1}, {}, {}, opt, psx::transport::InProcess{waiters_serve});
+    ps.declare(psx::dense("x", {3}));
+    auto w = ps.worker(0);
+    std::vector<float> out(3);
+    const auto self = std::this_thread::get_id();
+    auto last_by_caller = [&] {
+      std::lock_guard lock(opt.log->mu);
+      return opt.log->threads.back() == self;
+    };
+    // Blocking pushes: left to the caller, which handles them itself when
+    // the server thread is not busy at that moment (it may be, by chance:
+    // then it handles the push).
+    int blocking = 0, by_caller = 0;
+    while (blocking < 50 || (waiters_serve && by_caller == 0 && blocking < 10000)) {
+      ++blocking;
+      w.push("x", std::vector<float>(3, static_cast<float>(blocking)));
+      by_caller += last_by_caller();
+    }
+    if (waiters_serve) CHECK(by_caller > 0);
+    else CHECK(by_caller == 0);
+    // Pushes nobody waits for at once wake the server thread: each becomes
+    // ready without a wait (a link that left them queued would hang here).
+    std::vector<std::vector<float>> grads;
+    for (int k = 1; k <= 100; ++k) grads.emplace_back(3, static_cast<float>(blocking + k));
+    std::vector<psx::Handle> handles;
+    for (const auto& g : grads) handles.push_back(w.push_async("x", g));
+    for (const psx::Handle& h : handles)
+      while (!h.ready()) std::this_thread::yield();
+    w.pull("x", out);
+    CHECK(out == std::vector<float>(3, static_cast<float>(blocking + 100)));
+    std::lock_guard lock(opt.log->mu);
+    // One server's requests are handled in the order one worker sent them,
+    // whichever threads handled them.
+    REQUIRE(opt.log->values.size() == static_cast<std::size_t>(blocking) + 100);
+    CHECK(std::is_sorted(opt.log->values.begin(), opt.log->values.end()));
+    for (psx::Handle& h : handles) h.wait();
+  }
+}
+
+// A server side for the in-process link alone: notes which thread handled
+// each request and how often it ticked; `during` runs inside the first
+// request that thread `during_on` handles.
+struct NotingHandler final : psx::RequestHandler {
+  std::mutex mu;
+  std::vector<std::thread::id> threads;
+  std::size_t handled = 0, ticks = 0;
+  std::string events;  // 'h' per request handled, 't' per tick, in order
+  std::function<void()> during;
+  std::thread::id during_on;
+  void handle(psx::Request&& r) noexcept override {
+    std::function<void()> first;
+    {
+      std::lock_guard lock(mu);
+      ++handled;
+      events += 'h';
+      threads.push_back(std::this_thread::get_id());
+      if (during && std::this_thread::get_id() == during_on) first = std::exchange(during, {});
+    }
+    if (first) first();
+    r.finish();
+  }
+  void drain(const ErrorFactory&) noexcept override {}
+  clock_type::time_point next_tick() const noexcept override { return due_at; }
+  void tick(clock_type::time_point) noexcept override {
+    std::lock_guard lock(mu);
+    ++ticks;
+    events += 't';
+  }
+  void link_event(LinkEvent) noexcept override {}
+  bool worker_active(std::size_t) const noexcept override { return true; }
+  clock_type::time_point due_at = clock_type::time_point::max();
+};
+
+TEST_CASE("in process, the tick runs between requests however busy the server, whoever handles them") {
+  Watchdog dog("ticks under traffic");
+  for (const bool waiters_serve : {true, false}) {
+    CAPTURE(waiters_serve);
+    psx::transport::InProcess::link_type link(1, waiters_serve);
+    NotingHandler h;
+    h.due_at = psx::RequestHandler::clock_type::time_point::min();  // always due
+    std::thread server([&] { link.serve(0, h); });
+    // Bursts of requests sent before any is waited for keep the inbox full.
+    std::vector<std::thread> senders;
+    for (int t = 0; t < 3; ++t)
+      senders.emplace_back([&] {
+        for (int burst = 0; burst < 20; ++burst) {
+          std::vector<std::shared_ptr<psx::Completion>> done;
+          for (int k = 0; k < 20; ++k) {
+            done.push_back(std::make_shared<psx::Completion>(1));
+            psx::Request r;
+            r.done = done.back();
+            link.send(0, std::move(r));
+          }
+          for (auto& d : done) {
+            link.await(0, *d);
+            d->wait();
+          }
+        }
+      });
+    for (auto& t : senders) t.join();
+    link.close();
+    server.join();
+    std::lock_guard lock(h.mu);
+    CHECK(h.handled == 3 * 20 * 20);
+    // The tick is always due: one runs after every request, before the next.
+    CHECK(h.events.find("hh") == std::string::npos);
+  }
+}
+
+TEST_CASE("in process, a thread handling a server's inbox for others takes only what was queued then") {
+  Watchdog dog("bounded help");
+  psx::transport::InProcess::link_type link(1, true);
+  NotingHandler h;
+  std::thread server([&] { link.serve(0, h); });
+  // A message nobody waits for, to an idle server, is handled by its
+  // sender (tried until the server thread is idle when it arrives), while
+  // three requests come from another thread: those go to the server thread.
+  std::vector<std::shared_ptr<psx::Completion>> later;
+  for (int k = 0; k < 3; ++k) later.push_back(std::make_shared<psx::Completion>(1));
+  const auto self = std::this_thread::get_id();
+  {
+    std::lock_guard lock(h.mu);
+    h.during = [&] {
+      std::thread other([&] {
+        for (auto& d : later) {
+          psx::Request r;
+          r.done = d;
+          link.send(0, std::move(r));
+        }
+      });
+      other.join();
+    };
+    h.during_on = self;
+  }
+  std::size_t sent = 0;
+  for (;;) {
+    link.send(0, psx::Request{});  // no completion: fire and forget
+    ++sent;
+    {
+      std::lock_guard lock(h.mu);
+      if (!h.during) break;  // it ran: this thread handled the message
+    }
+    REQUIRE(sent < 10000);
+    // The server thread had not started, or was busy: let it finish.
+    for (;;) {
+      {
+        std::lock_guard lock(h.mu);
+        if (h.handled == sent) break;
+      }
+      std::this_thread::yield();
+    }
+  }
+  for (auto& d : later) d->wait();
+  link.close();
+  server.join();
+  std::lock_guard lock(h.mu);
+  REQUIRE(h.threads.size() == sent + 3);
+  CHECK(h.threads[sent - 1] == self);  // the message, by its sender
+  for (std::size_t k = sent; k < sent + 3; ++k) CHECK(h.threads[k] != self);  // the others, by the server thread
 }
 
 TEST_CASE("asynchronous training with 4 workers converges on a convex problem") {
