@@ -483,11 +483,14 @@ concept has_connect = requires(const T& t, const TransportContext& ctx) {
 //! workers this process runs; without them, all) and `std::string
 //! wait_stopped()` (a process without workers serves until it returns).
 //!
-//! Optional, for links that must take part while a caller waits (a
-//! simulated cluster runs its events on the waiting threads): `void
-//! await(std::size_t worker, psx::Completion& done)` returns once `done` is
-//! ready (or throws when it never will be; `worker >= num_workers` for a
-//! thread that is not a worker), and `void worker_begins(std::size_t)` /
+//! Optional, for links that take part while a caller waits (a simulated
+//! cluster runs its events on the waiting threads, an in-process one lets
+//! them handle idle servers' requests): `void await(std::size_t worker,
+//! psx::Completion& done)` returns once `done` is ready, or earlier when
+//! the caller may simply wait for it (or throws when it never will be;
+//! `worker >= num_workers` for a thread that is not a worker); a request
+//! with `caller_waits` set is followed by its sender's `await`. And `void
+//! worker_begins(std::size_t)` /
 //! `void worker_ends(std::size_t)`, called by `ParameterServer::run` before
 //! any worker starts and as each worker's function ends.
 template <class L>
