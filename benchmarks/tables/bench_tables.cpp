@@ -190,10 +190,15 @@ Rates run_table(const std::vector<std::vector<std::uint64_t>>& ids, std::size_t 
   return r;
 }
 
+// PSX_WAITERS_SERVE=1: the cluster runs with InProcess{.waiters_serve = true}.
+bool waiters_serve() {
+  const char* serve = std::getenv("PSX_WAITERS_SERVE");
+  return serve && std::atoi(serve) != 0;
+}
+
 Rates run_cluster(const std::vector<std::vector<std::uint64_t>>& ids, std::size_t dim) {
   const std::size_t threads = ids.size();
-  const char* serve = std::getenv("PSX_WAITERS_SERVE");
-  const psx::transport::InProcess transport{.waiters_serve = serve && std::atoi(serve) != 0};
+  const psx::transport::InProcess transport{.waiters_serve = waiters_serve()};
   psx::LocalCluster<psx::partition::HashByName, psx::sync::Asynchronous, psx::optim::Adagrad> ps({threads, threads}, {},
                                                                                                 {}, kOpt, transport);
   ps.declare(psx::embedding("emb", dim, kInit));
@@ -252,7 +257,5 @@ int main(int argc, char** argv) {
     }
   }
   std::printf("\ngoal: cluster / map >= 3x (pull and push)%s\n",
-              std::getenv("PSX_WAITERS_SERVE") && std::atoi(std::getenv("PSX_WAITERS_SERVE")) != 0
-                  ? "; the cluster ran with InProcess{.waiters_serve = true}"
-                  : "");
+              waiters_serve() ? "; the cluster ran with InProcess{.waiters_serve = true}" : "");
 }

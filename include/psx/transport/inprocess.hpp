@@ -3,12 +3,12 @@
 //! server's inbox as it is: its spans point at the worker's own buffers, so
 //! no byte is serialized or copied on the way.
 //!
-//! Each server has a thread that handles its inbox. A thread that waits for
-//! a call (`Handle::wait`) may handle the requests queued at a server whose
-//! thread is not handling them at that moment (`InProcess::waiters_serve`,
-//! off by default),
-//! and the last request of a blocking call (`Request::caller_waits`) is left
-//! to its caller without waking the server thread: a blocking pull from one
+//! Each server has a thread that handles its inbox. With
+//! `InProcess::waiters_serve` (off by default), a thread that waits for a
+//! call (`Handle::wait`) may handle the requests queued at a server whose
+//! thread is not handling them at that moment, and the last request of a
+//! blocking call (`Request::caller_waits`) is left to its caller without
+//! waking the server thread: a blocking pull from one
 //! server then costs no thread wake-up at all, where otherwise the server
 //! thread is woken to handle it and wakes the caller when it is done. Either
 //! way one server's requests are handled one at a time, in the order they
@@ -194,8 +194,9 @@ struct InProcess {
       in.next_tick = in.handler->next_tick();
       in.serving = false;
       const auto now = clock::now();
-      const bool wake = in.closed || !in.items.empty() || in.next_tick < slept_until || now >= slept_until ||
-                        now >= in.next_tick;
+      // A tick due now is covered: either it moved sooner, or it is at or
+      // after slept_until, which has passed too.
+      const bool wake = in.closed || !in.items.empty() || in.next_tick < slept_until || now >= slept_until;
       lock.unlock();
       if (wake) in.cv.notify_one();
     }
