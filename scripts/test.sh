@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds and runs the whole test suite under every checking preset:
-#   dev   optimized with debug info, every public header compiled on its own
+#   dev   optimized with line tables (-g1), every public header compiled on its own
 #   asan  AddressSanitizer + UndefinedBehaviorSanitizer
 #   tsan  ThreadSanitizer
 # Usage: scripts/test.sh [preset...]   (default: dev asan tsan)

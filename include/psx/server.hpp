@@ -39,6 +39,7 @@ namespace detail {
 struct Contribution {
   bool present = false;
   bool empty = false;  // a step() without a gradient for this shard (SyncState::counts_empty_steps)
+  std::uint64_t clock = 0;           // the worker's clock when it made the contribution
   std::uint64_t pulled_version = 0;  // the shard version the worker had read
   std::vector<float> dense;  // the whole shard, or empty when only rows were pushed
   RowAccumulator rows;
@@ -608,15 +609,25 @@ class Server final : public RequestHandler {
           wv.pushed_since_clock = true;
           break;
         case PushAction::Kind::aggregate: {
-          wv.has_pushed = true;
-          wv.pushed_step = actions[i].step;
-          wv.pushed_since_clock = true;
           auto& by_worker = s.pending[actions[i].step];
           if (by_worker.empty()) by_worker.resize(clocks_.size());
           detail::Contribution& c = by_worker[r.worker];
+          // A worker's gradient for a step is what it pushes between two
+          // step() calls: a push from a later interval into a step it is
+          // already in (it read before the step was applied, see
+          // SyncReplicas) is dropped, never added to the earlier one.
+          if (c.present && !c.empty && c.clock != r.clock) {
+            count(dropped_);
+            wv.pushed_since_clock = true;
+            break;
+          }
+          wv.has_pushed = true;
+          wv.pushed_step = actions[i].step;
+          wv.pushed_since_clock = true;
           if (!c.present || c.empty) {
             c.present = true;
             c.empty = false;
+            c.clock = r.clock;
             c.pulled_version = wv.pulled_version;
             c.rows = detail::RowAccumulator(s.width());
           }

@@ -157,7 +157,10 @@ static_assert(SyncPolicy<BoundedStaleness<2>>);
 //! (one that failed) is tolerated while M others remain; otherwise training
 //! fails with `psx::peer_lost`. Workers that finish and leave lower the
 //! requirement instead: a step also completes once every worker still
-//! training is in it, so unequal step counts end cleanly. A worker's
+//! training is in it, so unequal step counts end cleanly; and once a worker
+//! is gone, a worker that no live worker is behind reads at once, so waits
+//! on different shards' steps cannot close into a cycle (its next push to a
+//! step it is already in is dropped; docs/sync.md). A worker's
 //! `step()` that pushed nothing to a shard counts there as an empty
 //! contribution (in M and in the mean), so a sparse step that skips a shard
 //! never leaves that shard waiting for it.
@@ -177,8 +180,16 @@ struct SyncReplicas {
       if (p.pulled_step < s.applied_steps) return {PushAction::Kind::drop, 1.0f, 0};
       return {PushAction::Kind::aggregate, 1.0f, p.pulled_step};
     }
-    bool may_pull(const PullInfo& p, const ShardProgress& s, const ServerClock&) const {
-      return !p.has_pushed || s.applied_steps > p.pushed_step;
+    bool may_pull(const PullInfo& p, const ShardProgress& s, const ServerClock& c) const {
+      if (!p.has_pushed || s.applied_steps > p.pushed_step) return true;
+      // Each shard counts its own steps, so one worker may be in the step
+      // a shard waits for while the workers that step needs wait for steps
+      // of other shards. Once a worker has left or was lost, such waits can
+      // close into a cycle; then a worker that no live worker is behind
+      // reads at once, and its next push to a step it is already in is
+      // dropped (Server): the slowest worker always moves, so training does.
+      const bool someone_gone = c.live_workers < c.worker_clocks.size();
+      return someone_gone && p.clock <= c.min_clock;
     }
     bool step_complete(const StepProgress& p, const ShardProgress&, const ServerClock& c) const {
       // Once workers that finished their steps have left, fewer than M may

@@ -46,10 +46,10 @@ struct InProcess {
   //! virtual machine. The optimizer and the sync policy then also run on
   //! worker threads (inside `pull`, `push`, `step`, ...): a worker must not
   //! call the cluster while it holds a lock that its optimizer takes.
-  //! False (the default): only the server threads handle requests. Off
-  //! by default because a SyncReplicas<3> run of 4 workers was once seen
-  //! to stop, every worker waiting on a pull that no step released, with
-  //! it on (under AddressSanitizer, 1 run in about 100); not yet explained.
+  //! False (the default): only the server threads handle requests. It is
+  //! opt-in because it wins from one worker thread and can lose with
+  //! several (workers then wait for each other to let a server go), and
+  //! because it runs optimizer code on worker threads.
   bool waiters_serve = false;
 
   //! One inbox per server; `serve` handles it, and so do waiting callers.
