@@ -143,7 +143,9 @@ struct ServerClock {
 struct PushAction {
   enum class Kind : std::uint8_t {
     apply,      //!< apply it now, alone, scaled by `lr_scale`
-    aggregate,  //!< add it to the aggregate of step `step`, applied when that step completes
+    aggregate,  //!< add it to the aggregate of step `step`, applied when that step completes (a
+                //!< step holds one step() interval's pushes per worker: a later interval's push
+                //!< into it is dropped and counted)
     drop,       //!< discard it and count it (a late gradient for a finished step)
     reject,     //!< refuse it: the worker gets `psx::sync_error`
   };
