@@ -158,9 +158,10 @@ static_assert(SyncPolicy<BoundedStaleness<2>>);
 //! fails with `psx::peer_lost`. Workers that finish and leave lower the
 //! requirement instead: a step also completes once every worker still
 //! training is in it, so unequal step counts end cleanly; and once a worker
-//! is gone, a worker that no live worker is behind reads at once, so waits
-//! on different shards' steps cannot close into a cycle (its next push to a
-//! step it is already in is dropped; docs/sync.md). A worker's
+//! is gone, a worker that no live worker is behind reads at once, which
+//! breaks any cycle of waits on different shards' steps (its next push to a
+//! step it is already in is dropped; a worker stalled mid-training needs a
+//! peer timeout to count as gone: docs/sync.md). A worker's
 //! `step()` that pushed nothing to a shard counts there as an empty
 //! contribution (in M and in the mean), so a sparse step that skips a shard
 //! never leaves that shard waiting for it.
@@ -185,9 +186,10 @@ struct SyncReplicas {
       // Each shard counts its own steps, so one worker may be in the step
       // a shard waits for while the workers that step needs wait for steps
       // of other shards. Once a worker has left or was lost, such waits can
-      // close into a cycle; then a worker that no live worker is behind
+      // close into a cycle; so then a worker that no live worker is behind
       // reads at once, and its next push to a step it is already in is
-      // dropped (Server): the slowest worker always moves, so training does.
+      // dropped (Server): the slowest worker always moves, which breaks any
+      // cycle. The rule is local, so it also fires when nothing is stuck.
       const bool someone_gone = c.live_workers < c.worker_clocks.size();
       return someone_gone && p.clock <= c.min_clock;
     }
