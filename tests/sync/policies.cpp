@@ -320,8 +320,11 @@ std::size_t stuck_schedules(std::size_t workers, std::size_t servers, std::size_
           r.clock = s.clock + 1;
           break;
         default:
-          r.op = s.failing || (lose_one && a == 0) ? psx::Op::fail : psx::Op::leave;
-          r.reason = "stopped answering";
+          r.op = psx::Op::leave;
+          if (s.failing || (lose_one && a == 0)) {
+            r.op = psx::Op::fail;
+            r.reason = "stopped answering";
+          }
           break;
       }
       channel[a * servers + k].push_back(std::move(r));
