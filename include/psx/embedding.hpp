@@ -340,9 +340,12 @@ class DynamicTable {
     if (ids.size() > std::numeric_limits<std::uint32_t>::max())
       throw shape_error("psx: dynamic table '" + name_ + "': at most 2^32 - 1 ids per call");
     auto dst = [&](std::size_t j) { return out.data() + (positions.empty() ? j : positions[j]) * dim_; };
-    std::vector<std::uint32_t> unseen;
-    const Batch batch = group(ids);
-    std::vector<std::uint32_t> slots(ids.size());
+    Scratch& scratch = thread_scratch();
+    std::vector<std::uint32_t>& unseen = scratch.unseen;
+    unseen.clear();
+    const Batch& batch = group(ids, scratch.batch);
+    std::vector<std::uint32_t>& slots = scratch.slots;
+    slots.resize(ids.size());
     for_each_window<std::shared_lock<std::shared_mutex>>(batch, [&](std::uint32_t first, std::uint32_t last) {
       find_window(ids, batch, first, last, slots, false);
       for (std::uint32_t k = first; k < last; ++k) {
@@ -371,11 +374,14 @@ class DynamicTable {
   //! `ctx.global_step`: admits ids not stored, updates their row and slots,
   //! then runs the time-to-live sweep when one is due.
   void apply(const O& optimizer, const detail::RowAccumulator& rows, const UpdateContext& ctx) {
-    std::vector<float*> bases(slots_);
+    Scratch& scratch = thread_scratch();
+    std::vector<float*>& bases = scratch.bases;
+    bases.resize(slots_);
     const std::span<const std::uint64_t> ids(rows.rows());
-    const Batch batch = group(ids);
-    std::vector<std::uint32_t> slots(ids.size());
-    std::vector<RowMeta*> changed;
+    const Batch& batch = group(ids, scratch.batch);
+    std::vector<std::uint32_t>& slots = scratch.slots;
+    slots.resize(ids.size());
+    std::vector<RowMeta*>& changed = scratch.changed;
     for_each_window<std::unique_lock<std::shared_mutex>>(batch, [&](std::uint32_t first, std::uint32_t last) {
       find_window(ids, batch, first, last, slots, true);
       // The rows changed get one version each, taken together at the end
@@ -421,7 +427,9 @@ class DynamicTable {
       throw shape_error("psx: dynamic table '" + name_ + "': a push of " + std::to_string(ids.size()) + " ids of dim " +
                         std::to_string(dim_) + " needs " + std::to_string(ids.size() * dim_) + " floats, got " +
                         std::to_string(grads.size()));
-    detail::RowAccumulator sum(dim_);
+    // Each thread keeps its sum's memory from call to call.
+    thread_local detail::RowAccumulator sum;
+    sum.reset(dim_);
     for (std::size_t j = 0; j < ids.size(); ++j) sum.add(ids[j], grads.data() + j * dim_);
     apply(optimizer, sum, ctx);
   }
@@ -583,10 +591,25 @@ class DynamicTable {
     std::vector<std::uint64_t> hash;
     std::vector<std::uint32_t> order;
     std::vector<std::uint32_t> start;
+    std::vector<std::uint32_t> next;  // group's cursor per stripe
   };
 
-  Batch group(std::span<const std::uint64_t> ids) const {
-    Batch b;
+  // A thread's working memory for pull and apply, kept from call to call
+  // (a fresh allocation per call cost up to a third of a push of wide rows:
+  // page faults on buffers beyond malloc's mmap threshold). Neither call
+  // runs the other, so one per thread suffices.
+  struct Scratch {
+    Batch batch;
+    std::vector<std::uint32_t> slots, unseen;
+    std::vector<RowMeta*> changed;
+    std::vector<float*> bases;
+  };
+  static Scratch& thread_scratch() {
+    thread_local Scratch scratch;
+    return scratch;
+  }
+
+  const Batch& group(std::span<const std::uint64_t> ids, Batch& b) const {
     const std::size_t n = ids.size();
     b.hash.resize(n);
     b.order.resize(n);
@@ -596,8 +619,8 @@ class DynamicTable {
       ++b.start[stripe_of(b.hash[j]) + 1];
     }
     for (std::uint32_t s = 0; s < options_.stripes; ++s) b.start[s + 1] += b.start[s];
-    std::vector<std::uint32_t> next(b.start.begin(), b.start.end() - 1);
-    for (std::size_t j = 0; j < n; ++j) b.order[next[stripe_of(b.hash[j])]++] = static_cast<std::uint32_t>(j);
+    b.next.assign(b.start.begin(), b.start.end() - 1);
+    for (std::size_t j = 0; j < n; ++j) b.order[b.next[stripe_of(b.hash[j])]++] = static_cast<std::uint32_t>(j);
     return b;
   }
 
