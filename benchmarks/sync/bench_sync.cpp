@@ -4,6 +4,7 @@
 // gradient to it) on a private array per thread, with no server at all.
 //
 //   ./bench_sync [steps]
+//   PSX_SPIN_US=n ./bench_sync ...   with InProcess{.spin = n us} (default 100)
 #include <psx/psx.hpp>
 
 #include <algorithm>
@@ -11,6 +12,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -26,9 +28,16 @@ struct Result {
   double barrier_us;   // mean time of one barrier
 };
 
+psx::transport::InProcess transport() {
+  psx::transport::InProcess t;
+  if (const char* us = std::getenv("PSX_SPIN_US")) t.spin = std::chrono::microseconds(std::atoi(us));
+  return t;
+}
+
 template <class Sync>
 Result measure(std::size_t workers, std::size_t steps) {
-  psx::ParameterServer<psx::partition::RowRange, Sync, psx::optim::SGD> ps({2, workers}, {}, Sync{}, {1e-6f});
+  psx::ParameterServer<psx::partition::RowRange, Sync, psx::optim::SGD> ps({2, workers}, {}, Sync{}, {1e-6f},
+                                                                          transport());
   ps.declare(psx::dense("x", {kFloats / 16, 16}));
   ps.start();
   const auto start = Clock::now();
@@ -115,8 +124,8 @@ int main(int argc, char** argv) {
       results[r].push_back({median(runs[r][c], &Result::steps_per_s), median(runs[r][c], &Result::barrier_us)});
 
   std::printf("psx sync policies: %zu steps per worker, each a pull and a push of 64 KiB on 2 servers "
-              "(in-process), %u hardware threads; medians of %d runs\n\n", steps, std::thread::hardware_concurrency(),
-              kRepeats);
+              "(%s), %u hardware threads; medians of %d runs\n\n", steps,
+              (std::ostringstream() << transport()).str().c_str(), std::thread::hardware_concurrency(), kRepeats);
   std::printf("step throughput, worker-steps/s (all workers together)\n");
   std::printf("%-30s %10s %10s %10s %10s\n", "policy", "1 worker", "2", "4", "8");
   for (std::size_t r = 0; r < std::size(rows); ++r) {

@@ -31,6 +31,7 @@
 //
 //   bench_tables [ids_per_thread] [rounds]     (default 4M, 3)
 //   PSX_WAITERS_SERVE=1 bench_tables ...       the cluster with InProcess{.waiters_serve = true}
+//   PSX_SPIN_US=n bench_tables ...             the cluster with InProcess{.spin = n us} (default 100)
 #include <psx/psx.hpp>
 
 #include "../zipf.hpp"
@@ -198,7 +199,8 @@ bool waiters_serve() {
 
 Rates run_cluster(const std::vector<std::vector<std::uint64_t>>& ids, std::size_t dim) {
   const std::size_t threads = ids.size();
-  const psx::transport::InProcess transport{.waiters_serve = waiters_serve()};
+  psx::transport::InProcess transport{.waiters_serve = waiters_serve()};
+  if (const char* us = std::getenv("PSX_SPIN_US")) transport.spin = std::chrono::microseconds(std::atoi(us));
   psx::LocalCluster<psx::partition::HashByName, psx::sync::Asynchronous, psx::optim::Adagrad> ps({threads, threads}, {},
                                                                                                 {}, kOpt, transport);
   ps.declare(psx::embedding("emb", dim, kInit));

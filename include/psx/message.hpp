@@ -12,6 +12,7 @@
 
 #include <psx/errors.hpp>
 
+#include <atomic>
 #include <cassert>
 #include <chrono>
 #include <condition_variable>
@@ -75,10 +76,11 @@ class Completion {
   //! finished; instead of waking waiters.
   using Callback = std::function<void(std::exception_ptr)>;
 
-  explicit Completion(std::size_t parts) : pending_(parts) {}
+  explicit Completion(std::size_t parts) : pending_(parts), finished_(parts == 0) {}
   //! A completion that calls `on_done` instead of being waited for (a
   //! transport's server side answering over the network).
-  Completion(std::size_t parts, Callback on_done) : pending_(parts), on_done_(std::move(on_done)) {}
+  Completion(std::size_t parts, Callback on_done)
+      : pending_(parts), finished_(parts == 0), on_done_(std::move(on_done)) {}
 
   //! One part finished; `error` is null on success. Each part finishes
   //! exactly once: a second finish would let `wait` return while another
@@ -91,6 +93,7 @@ class Completion {
       assert(pending_ > 0 && "psx: a request was finished twice");
       if (error && !error_) error_ = std::move(error);
       if (pending_ == 0 || --pending_ != 0) return;
+      finished_.store(true, std::memory_order_release);
       if (!on_done_) {
         cv_.notify_all();
         return;
@@ -121,16 +124,14 @@ class Completion {
     return cv_.wait_for(lock, timeout, [&] { return pending_ == 0; });
   }
 
-  //! True once every part finished.
-  bool ready() const {
-    std::lock_guard lock(mu_);
-    return pending_ == 0;
-  }
+  //! True once every part finished (without a lock: a waiter may poll it).
+  bool ready() const noexcept { return finished_.load(std::memory_order_acquire); }
 
  private:
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::size_t pending_;
+  std::atomic<bool> finished_{false};  // pending_ reached 0
   std::exception_ptr error_;
   Callback on_done_;
 };

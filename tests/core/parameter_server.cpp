@@ -343,6 +343,57 @@ TEST_CASE("in process, the tick runs between requests however busy the server, w
   }
 }
 
+TEST_CASE("in process, a spinning server and caller see each request, answer, tick and close at once") {
+  // Spins far longer than the watchdog allows for the whole case: a server
+  // that did not see a request (or the close) while it looks, or a caller
+  // that did not see its answer, would only move when its spin ran out.
+  Watchdog dog("spin");
+  const auto spin = std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::seconds(100));
+  for (const bool waiters_serve : {false, true}) {
+    CAPTURE(waiters_serve);
+    psx::transport::InProcess::link_type link(1, waiters_serve, spin);
+    NotingHandler h;
+    std::thread server([&] { link.serve(0, h); });
+    for (int k = 0; k < 200; ++k) {
+      auto done = std::make_shared<psx::Completion>(1);
+      psx::Request r;
+      r.done = done;
+      link.send(0, std::move(r));
+      link.await(0, *done);
+      CHECK(done->ready());  // await saw the answer before its spin ran out
+      done->wait();
+    }
+    link.close();
+    server.join();
+    std::lock_guard lock(h.mu);
+    CHECK(h.handled == 200);
+  }
+  // A tick due while the server thread looks for requests runs on time.
+  psx::transport::InProcess::link_type link(1, false, spin);
+  NotingHandler h;
+  h.due_at = psx::RequestHandler::clock_type::now() + std::chrono::milliseconds(50);
+  std::thread server([&] { link.serve(0, h); });
+  for (;;) {
+    {
+      std::lock_guard lock(h.mu);
+      if (h.ticks > 0) break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  link.close();
+  server.join();
+}
+
+TEST_CASE("in process, spin must be between 0 and 1 s") {
+  for (const auto spin : {std::chrono::microseconds{-1}, std::chrono::microseconds{1'000'001}}) {
+    CAPTURE(spin.count());
+    using PS = psx::ParameterServer<psx::partition::HashByName, psx::sync::Asynchronous, psx::optim::SGD>;
+    PS ps({1, 1}, {}, {}, psx::optim::SGD{0.1f}, psx::transport::InProcess{.spin = spin});
+    ps.declare(psx::dense("x", {2}));
+    CHECK_THROWS_WITH_AS(ps.start(), doctest::Contains("InProcess::spin must be between 0 and 1 s"), psx::config_error);
+  }
+}
+
 TEST_CASE("in process, a thread handling a server's inbox for others takes only what was queued then") {
   Watchdog dog("bounded help");
   psx::transport::InProcess::link_type link(1, true);

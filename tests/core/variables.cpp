@@ -281,6 +281,9 @@ TEST_CASE("policy values print what they are") {
   CHECK(h == h);
   CHECK(str(psx::optim::SGD{0.25f}) == "SGD{lr=0.25}");
   CHECK(str(psx::transport::InProcess{}) == "InProcess");
+  CHECK(str(psx::transport::InProcess{.waiters_serve = true}) == "InProcess{waiters_serve=true}");
+  CHECK(str(psx::transport::InProcess{.waiters_serve = true, .spin = std::chrono::microseconds{0}}) ==
+        "InProcess{waiters_serve=true, spin=0us}");
   CHECK(str(psx::ClusterConfig{2, 4}) == "ClusterConfig{servers=2, workers=4, peer_timeout=0ms}");
 }
 
