@@ -14,8 +14,12 @@
 // libzmq I/O thread would do both the send and the receive copy, with the
 // bytes still in its cache, which no transfer between processes can do.
 // The psx server here discards gradients (an optimizer whose update does
-// nothing), so what is measured is the transport, not SGD. psx and raw runs
-// alternate, and each figure is the median of `reps` runs.
+// nothing), so what is measured is the transport, not SGD. Each round
+// times psx and raw back to back (in turn first); the GB/s and microsecond
+// figures are medians over `reps` rounds, and psx/raw is the median of the
+// rounds' own ratios, with their range: this virtual machine's speed drifts
+// by up to 30% between rounds, and a ratio within one round compares the
+// two under the same conditions.
 //
 // Goal (issue 5): psx at least 0.9x raw throughput for 1 MiB and larger, and
 // a round trip within 1.5x of the raw one.
@@ -82,6 +86,22 @@ double per_call(F&& f) {
     n *= 4;
   }
 }
+
+// psx and raw timed back to back in each round, the one first in even
+// rounds the other in odd ones (so neither always finds the machine as the
+// other left it); `time_ratio` holds each round's psx time / raw time.
+struct Paired {
+  std::vector<double> psx, raw, time_ratio;
+  template <class Psx, class Raw>
+  void add(int round, Psx&& run_psx, Raw&& run_raw) {
+    double a = 0, b = 0;
+    if (round % 2 == 0) a = per_call(run_psx), b = per_call(run_raw);
+    else b = per_call(run_raw), a = per_call(run_psx);
+    psx.push_back(a);
+    raw.push_back(b);
+    time_ratio.push_back(a / b);
+  }
+};
 
 // The raw reference: a ROUTER that answers "push" with 1 byte and "pull"
 // with `bytes` of its buffer, on its own thread.
@@ -154,7 +174,7 @@ class RawClient {
 
 int main(int argc, char** argv) {
   const int reps = argc > 1 ? std::atoi(argv[1]) : 5;
-  std::printf("bench_zmq: psx::transport::Zmq next to raw cppzmq (same bytes, same run), median of %d\n", reps);
+  std::printf("bench_zmq: psx::transport::Zmq next to raw cppzmq (same bytes, same run), %d rounds\n", reps);
   std::printf("%-6s %-18s %12s %12s %8s\n", "link", "what", "psx", "raw zmq", "psx/raw");
   for (const bool ipc : {false, true}) {
     const fs::path dir = fs::temp_directory_path() / ("psx-bench-zmq-" + std::to_string(::getpid()));
@@ -187,25 +207,25 @@ int main(int argc, char** argv) {
       for (const auto& s : sizes) {
         std::vector<float> buf(s.floats, 0.5f);
         const std::string name = std::string("t") + s.name;
-        std::vector<double> pp, rp, pl, rl;
+        Paired push, pull;
         for (int r = 0; r < reps; ++r) {
-          pp.push_back(per_call([&] { w.push(name, buf); }));
-          rp.push_back(per_call([&] { raw.push(buf); }));
-          pl.push_back(per_call([&] { w.pull(name, buf); }));
-          rl.push_back(per_call([&] { raw.pull(buf); }));
+          push.add(r, [&] { w.push(name, buf); }, [&] { raw.push(buf); });
+          pull.add(r, [&] { w.pull(name, buf); }, [&] { raw.pull(buf); });
         }
         const double bytes = static_cast<double>(s.floats * sizeof(float));
-        const double a = median(pp), b = median(rp), c = median(pl), d = median(rl);
         if (s.floats <= 1024) {
-          std::printf("%-6s %-18s %9.1f us %9.1f us %7.2fx\n", link, (std::string("push ") + s.name).c_str(), a * 1e6,
-                      b * 1e6, a / b);
+          std::printf("%-6s %-18s %9.1f us %9.1f us %7.2fx\n", link, (std::string("push ") + s.name).c_str(),
+                      median(push.psx) * 1e6, median(push.raw) * 1e6, median(push.time_ratio));
           std::printf("%-6s %-18s %9.1f us %9.1f us %7.2fx   (round trip; goal <= 1.5x)\n", link,
-                      (std::string("pull ") + s.name).c_str(), c * 1e6, d * 1e6, c / d);
+                      (std::string("pull ") + s.name).c_str(), median(pull.psx) * 1e6, median(pull.raw) * 1e6,
+                      median(pull.time_ratio));
         } else {
-          std::printf("%-6s %-18s %7.2f GB/s %7.2f GB/s %7.2fx   (goal >= 0.9x)\n", link,
-                      (std::string("push ") + s.name).c_str(), bytes / a / 1e9, bytes / b / 1e9, b / a);
-          std::printf("%-6s %-18s %7.2f GB/s %7.2f GB/s %7.2fx   (goal >= 0.9x)\n", link,
-                      (std::string("pull ") + s.name).c_str(), bytes / c / 1e9, bytes / d / 1e9, d / c);
+          for (const auto& [what, p] : {std::pair{"push ", &push}, std::pair{"pull ", &pull}})
+            std::printf("%-6s %-18s %7.2f GB/s %7.2f GB/s %7.2fx   (goal >= 0.9x; rounds %.2f-%.2fx)\n", link,
+                        (what + std::string(s.name)).c_str(), bytes / median(p->psx) / 1e9,
+                        bytes / median(p->raw) / 1e9, 1.0 / median(p->time_ratio),
+                        1.0 / *std::max_element(p->time_ratio.begin(), p->time_ratio.end()),
+                        1.0 / *std::min_element(p->time_ratio.begin(), p->time_ratio.end()));
         }
       }
       // Sparse: 100k random rows of 16 floats (ids and rows both travel).
@@ -213,15 +233,13 @@ int main(int argc, char** argv) {
       std::vector<std::uint64_t> ids(sparse_ids);
       for (auto& id : ids) id = rng() % table_rows;
       std::vector<float> rows(sparse_ids * dim);
-      std::vector<double> ps_t, raw_t;
-      for (int r = 0; r < reps; ++r) {
-        ps_t.push_back(per_call([&] { w.pull_rows("emb", ids, rows); }));
-        raw_t.push_back(per_call([&] { raw.pull(rows); }));
-      }
+      Paired sparse;
+      for (int r = 0; r < reps; ++r)
+        sparse.add(r, [&] { w.pull_rows("emb", ids, rows); }, [&] { raw.pull(rows); });
       const double bytes = static_cast<double>(rows.size() * sizeof(float));
       std::printf("%-6s %-18s %7.2f GB/s %7.2f GB/s %7.2fx   (rows answered; raw moves the same bytes, no gather)\n",
-                  link, "sparse pull 100k", bytes / median(ps_t) / 1e9, bytes / median(raw_t) / 1e9,
-                  median(raw_t) / median(ps_t));
+                  link, "sparse pull 100k", bytes / median(sparse.psx) / 1e9, bytes / median(sparse.raw) / 1e9,
+                  1.0 / median(sparse.time_ratio));
       w.leave();
       ctx.shutdown();
       server_ctx.shutdown();
