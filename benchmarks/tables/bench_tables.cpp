@@ -43,6 +43,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <mutex>
+#include <sstream>
 #include <thread>
 #include <unordered_map>
 #include <vector>
@@ -191,16 +192,18 @@ Rates run_table(const std::vector<std::vector<std::uint64_t>>& ids, std::size_t 
   return r;
 }
 
-// PSX_WAITERS_SERVE=1: the cluster runs with InProcess{.waiters_serve = true}.
-bool waiters_serve() {
-  const char* serve = std::getenv("PSX_WAITERS_SERVE");
-  return serve && std::atoi(serve) != 0;
+// The cluster's transport: InProcess, with waiters_serve under
+// PSX_WAITERS_SERVE=1 and a spin of n µs under PSX_SPIN_US=n.
+psx::transport::InProcess cluster_transport() {
+  psx::transport::InProcess t;
+  if (const char* serve = std::getenv("PSX_WAITERS_SERVE")) t.waiters_serve = std::atoi(serve) != 0;
+  if (const char* us = std::getenv("PSX_SPIN_US")) t.spin = std::chrono::microseconds(std::atoi(us));
+  return t;
 }
 
 Rates run_cluster(const std::vector<std::vector<std::uint64_t>>& ids, std::size_t dim) {
   const std::size_t threads = ids.size();
-  psx::transport::InProcess transport{.waiters_serve = waiters_serve()};
-  if (const char* us = std::getenv("PSX_SPIN_US")) transport.spin = std::chrono::microseconds(std::atoi(us));
+  const psx::transport::InProcess transport = cluster_transport();
   psx::LocalCluster<psx::partition::HashByName, psx::sync::Asynchronous, psx::optim::Adagrad> ps({threads, threads}, {},
                                                                                                 {}, kOpt, transport);
   ps.declare(psx::embedding("emb", dim, kInit));
@@ -258,6 +261,7 @@ int main(int argc, char** argv) {
                   table.bytes_per_row);
     }
   }
-  std::printf("\ngoal: cluster / map >= 3x (pull and push)%s\n",
-              waiters_serve() ? "; the cluster ran with InProcess{.waiters_serve = true}" : "");
+  std::ostringstream transport;
+  transport << cluster_transport();
+  std::printf("\ngoal: cluster / map >= 3x (pull and push); the cluster ran with %s\n", transport.str().c_str());
 }

@@ -53,9 +53,15 @@ class RowAccumulator {
     for (std::size_t h = mix64(row) & mask;; h = (h + 1) & mask) {
       const std::uint32_t slot = slots_[h];
       if (slot == 0) {
-        slots_[h] = static_cast<std::uint32_t>(rows_.size() + 1);
-        rows_.push_back(row);
+        // Stored before the slot points at it: a bad_alloc leaves the sum as it was.
         data_.insert(data_.end(), g, g + width_);
+        try {
+          rows_.push_back(row);
+        } catch (...) {
+          data_.resize(data_.size() - width_);
+          throw;
+        }
+        slots_[h] = static_cast<std::uint32_t>(rows_.size());
         return;
       }
       if (rows_[slot - 1] == row) {

@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <random>
 #include <set>
 #include <sstream>
 #include <thread>
@@ -117,6 +118,36 @@ TEST_CASE("embedding: rows carry their own optimizer slots") {
   CHECK(got == w2);
   CHECK(t.stats().rows == 2);
   CHECK(t.stats().ideal_row_bytes == 4 * 4 * 2);
+}
+
+TEST_CASE("embedding: calls too large for the kept working memory alternate with small ones, each exact") {
+  // A call of more than 2^16 ids gives its thread's working memory back
+  // when it returns; the calls around it reuse theirs. SGD with lr 0.5 and
+  // gradients of 1: every row is its initial value plus -0.5 times the
+  // number of times its id was pushed in each call, exactly.
+  const psx::optim::SGD opt{0.5f};
+  const auto init = psx::Initializer::uniform(-1.0f, 1.0f, 11);
+  constexpr std::size_t dim = 3, distinct = 5000;
+  DynamicTable<psx::optim::SGD> t("emb", dim, init, {}, opt);
+  std::vector<std::vector<float>> want(distinct);
+  for (std::uint64_t id = 0; id < distinct; ++id) want[id] = initial(init, "emb", id, dim);
+  std::mt19937_64 rng(5);
+  for (const std::size_t n : {100000, 7, 70000, 1, 200000, 64}) {
+    CAPTURE(n);
+    std::vector<std::uint64_t> ids(n);
+    std::vector<float> count(distinct, 0.0f);
+    for (auto& id : ids) count[id = rng() % distinct] += 1.0f;
+    push(t, opt, ids, 1.0f, 1, dim);
+    for (std::uint64_t id = 0; id < distinct; ++id)
+      if (count[id] != 0.0f)
+        for (float& w : want[id]) w = w + -0.5f * count[id];
+    std::vector<float> got(n * dim);
+    t.pull(ids, {}, got, 1);
+    std::size_t wrong = 0;
+    for (std::size_t j = 0; j < n; ++j)
+      wrong += !std::equal(want[ids[j]].begin(), want[ids[j]].end(), got.begin() + static_cast<std::ptrdiff_t>(j * dim));
+    CHECK(wrong == 0);
+  }
 }
 
 TEST_CASE("embedding: admission after n pushes stores an id at its n-th push") {

@@ -307,39 +307,46 @@ struct NotingHandler final : psx::RequestHandler {
   clock_type::time_point due_at = clock_type::time_point::max();
 };
 
+// The link's spins (InProcess::spin) these link tests run with: none, and
+// the default.
+const std::chrono::microseconds link_spins[] = {std::chrono::microseconds{0}, psx::transport::InProcess{}.spin};
+
 TEST_CASE("in process, the tick runs between requests however busy the server, whoever handles them") {
   Watchdog dog("ticks under traffic");
-  for (const bool waiters_serve : {true, false}) {
-    CAPTURE(waiters_serve);
-    psx::transport::InProcess::link_type link(1, waiters_serve);
-    NotingHandler h;
-    h.due_at = psx::RequestHandler::clock_type::time_point::min();  // always due
-    std::thread server([&] { link.serve(0, h); });
-    // Bursts of requests sent before any is waited for keep the inbox full.
-    std::vector<std::thread> senders;
-    for (int t = 0; t < 3; ++t)
-      senders.emplace_back([&] {
-        for (int burst = 0; burst < 20; ++burst) {
-          std::vector<std::shared_ptr<psx::Completion>> done;
-          for (int k = 0; k < 20; ++k) {
-            done.push_back(std::make_shared<psx::Completion>(1));
-            psx::Request r;
-            r.done = done.back();
-            link.send(0, std::move(r));
+  for (const auto spin : link_spins) {
+    for (const bool waiters_serve : {true, false}) {
+      CAPTURE(waiters_serve);
+      CAPTURE(spin.count());
+      psx::transport::InProcess::link_type link(1, waiters_serve, spin);
+      NotingHandler h;
+      h.due_at = psx::RequestHandler::clock_type::time_point::min();  // always due
+      std::thread server([&] { link.serve(0, h); });
+      // Bursts of requests sent before any is waited for keep the inbox full.
+      std::vector<std::thread> senders;
+      for (int t = 0; t < 3; ++t)
+        senders.emplace_back([&] {
+          for (int burst = 0; burst < 20; ++burst) {
+            std::vector<std::shared_ptr<psx::Completion>> done;
+            for (int k = 0; k < 20; ++k) {
+              done.push_back(std::make_shared<psx::Completion>(1));
+              psx::Request r;
+              r.done = done.back();
+              link.send(0, std::move(r));
+            }
+            for (auto& d : done) {
+              link.await(0, *d);
+              d->wait();
+            }
           }
-          for (auto& d : done) {
-            link.await(0, *d);
-            d->wait();
-          }
-        }
-      });
-    for (auto& t : senders) t.join();
-    link.close();
-    server.join();
-    std::lock_guard lock(h.mu);
-    CHECK(h.handled == 3 * 20 * 20);
-    // The tick is always due: one runs after every request, before the next.
-    CHECK(h.events.find("hh") == std::string::npos);
+        });
+      for (auto& t : senders) t.join();
+      link.close();
+      server.join();
+      std::lock_guard lock(h.mu);
+      CHECK(h.handled == 3 * 20 * 20);
+      // The tick is always due: one runs after every request, before the next.
+      CHECK(h.events.find("hh") == std::string::npos);
+    }
   }
 }
 
@@ -368,11 +375,17 @@ TEST_CASE("in process, a spinning server and caller see each request, answer, ti
     std::lock_guard lock(h.mu);
     CHECK(h.handled == 200);
   }
-  // A tick due while the server thread looks for requests runs on time.
+  // A tick due while the server thread looks for requests (after handling
+  // one) runs on time.
   psx::transport::InProcess::link_type link(1, false, spin);
   NotingHandler h;
-  h.due_at = psx::RequestHandler::clock_type::now() + std::chrono::milliseconds(50);
+  h.due_at = psx::RequestHandler::clock_type::now() + std::chrono::milliseconds(200);
   std::thread server([&] { link.serve(0, h); });
+  auto done = std::make_shared<psx::Completion>(1);
+  psx::Request r;
+  r.done = done;
+  link.send(0, std::move(r));
+  done->wait();
   for (;;) {
     {
       std::lock_guard lock(h.mu);
@@ -385,65 +398,79 @@ TEST_CASE("in process, a spinning server and caller see each request, answer, ti
 }
 
 TEST_CASE("in process, spin must be between 0 and 1 s") {
+  using PS = psx::ParameterServer<psx::partition::HashByName, psx::sync::Asynchronous, psx::optim::SGD>;
   for (const auto spin : {std::chrono::microseconds{-1}, std::chrono::microseconds{1'000'001}}) {
     CAPTURE(spin.count());
-    using PS = psx::ParameterServer<psx::partition::HashByName, psx::sync::Asynchronous, psx::optim::SGD>;
     PS ps({1, 1}, {}, {}, psx::optim::SGD{0.1f}, psx::transport::InProcess{.spin = spin});
     ps.declare(psx::dense("x", {2}));
     CHECK_THROWS_WITH_AS(ps.start(), doctest::Contains("InProcess::spin must be between 0 and 1 s"), psx::config_error);
+  }
+  for (const auto spin : {std::chrono::microseconds{0}, std::chrono::microseconds{1'000'000}}) {
+    CAPTURE(spin.count());
+    PS ps({1, 1}, {}, {}, psx::optim::SGD{0.1f}, psx::transport::InProcess{.spin = spin});
+    ps.declare(psx::dense("x", {2}));
+    ps.run([](psx::Worker& w) {
+      std::vector<float> x(2);
+      w.pull("x", x);
+      w.push("x", std::vector<float>{1, 1});
+    });
+    CHECK(ps.read("x") == std::vector<float>{-0.1f, -0.1f});
   }
 }
 
 TEST_CASE("in process, a thread handling a server's inbox for others takes only what was queued then") {
   Watchdog dog("bounded help");
-  psx::transport::InProcess::link_type link(1, true);
-  NotingHandler h;
-  std::thread server([&] { link.serve(0, h); });
-  // A message nobody waits for, to an idle server, is handled by its
-  // sender (tried until the server thread is idle when it arrives), while
-  // three requests come from another thread: those go to the server thread.
-  std::vector<std::shared_ptr<psx::Completion>> later;
-  for (int k = 0; k < 3; ++k) later.push_back(std::make_shared<psx::Completion>(1));
-  const auto self = std::this_thread::get_id();
-  {
-    std::lock_guard lock(h.mu);
-    h.during = [&] {
-      std::thread other([&] {
-        for (auto& d : later) {
-          psx::Request r;
-          r.done = d;
-          link.send(0, std::move(r));
-        }
-      });
-      other.join();
-    };
-    h.during_on = self;
-  }
-  std::size_t sent = 0;
-  for (;;) {
-    link.send(0, psx::Request{});  // no completion: fire and forget
-    ++sent;
+  for (const auto spin : link_spins) {
+    CAPTURE(spin.count());
+    psx::transport::InProcess::link_type link(1, true, spin);
+    NotingHandler h;
+    std::thread server([&] { link.serve(0, h); });
+    // A message nobody waits for, to an idle server, is handled by its
+    // sender (tried until the server thread is idle when it arrives), while
+    // three requests come from another thread: those go to the server thread.
+    std::vector<std::shared_ptr<psx::Completion>> later;
+    for (int k = 0; k < 3; ++k) later.push_back(std::make_shared<psx::Completion>(1));
+    const auto self = std::this_thread::get_id();
     {
       std::lock_guard lock(h.mu);
-      if (!h.during) break;  // it ran: this thread handled the message
+      h.during = [&] {
+        std::thread other([&] {
+          for (auto& d : later) {
+            psx::Request r;
+            r.done = d;
+            link.send(0, std::move(r));
+          }
+        });
+        other.join();
+      };
+      h.during_on = self;
     }
-    REQUIRE(sent < 10000);
-    // The server thread had not started, or was busy: let it finish.
+    std::size_t sent = 0;
     for (;;) {
+      link.send(0, psx::Request{});  // no completion: fire and forget
+      ++sent;
       {
         std::lock_guard lock(h.mu);
-        if (h.handled == sent) break;
+        if (!h.during) break;  // it ran: this thread handled the message
       }
-      std::this_thread::yield();
+      REQUIRE(sent < 10000);
+      // The server thread had not started, or was busy: let it finish.
+      for (;;) {
+        {
+          std::lock_guard lock(h.mu);
+          if (h.handled == sent) break;
+        }
+        std::this_thread::yield();
+      }
     }
+    for (auto& d : later) d->wait();
+    link.close();
+    server.join();
+    std::lock_guard lock(h.mu);
+    REQUIRE(h.threads.size() == sent + 3);
+    CHECK(h.threads[sent - 1] == self);  // the message, by its sender
+    for (std::size_t k = sent; k < sent + 3; ++k) CHECK(h.threads[k] != self);  // the others, by the server thread
   }
-  for (auto& d : later) d->wait();
-  link.close();
-  server.join();
-  std::lock_guard lock(h.mu);
-  REQUIRE(h.threads.size() == sent + 3);
-  CHECK(h.threads[sent - 1] == self);  // the message, by its sender
-  for (std::size_t k = sent; k < sent + 3; ++k) CHECK(h.threads[k] != self);  // the others, by the server thread
 }
 
 TEST_CASE("asynchronous training with 4 workers converges on a convex problem") {
