@@ -340,7 +340,7 @@ class DynamicTable {
     if (ids.size() > std::numeric_limits<std::uint32_t>::max())
       throw shape_error("psx: dynamic table '" + name_ + "': at most 2^32 - 1 ids per call");
     auto dst = [&](std::size_t j) { return out.data() + (positions.empty() ? j : positions[j]) * dim_; };
-    const ScratchLease lease(ids.size());
+    const ScratchLease<Scratch> lease(ids.size());
     Scratch& scratch = lease.get();
     std::vector<std::uint32_t>& unseen = scratch.unseen;
     unseen.clear();
@@ -375,7 +375,7 @@ class DynamicTable {
   //! `ctx.global_step`: admits ids not stored, updates their row and slots,
   //! then runs the time-to-live sweep when one is due.
   void apply(const O& optimizer, const detail::RowAccumulator& rows, const UpdateContext& ctx) {
-    const ScratchLease lease(rows.rows().size());
+    const ScratchLease<Scratch> lease(rows.rows().size());
     Scratch& scratch = lease.get();
     std::vector<float*>& bases = scratch.bases;
     bases.resize(slots_);
@@ -429,15 +429,9 @@ class DynamicTable {
       throw shape_error("psx: dynamic table '" + name_ + "': a push of " + std::to_string(ids.size()) + " ids of dim " +
                         std::to_string(dim_) + " needs " + std::to_string(ids.size() * dim_) + " floats, got " +
                         std::to_string(grads.size()));
-    // Each thread keeps its sum's memory from call to call, up to calls of
-    // kKeepIds ids.
-    thread_local detail::RowAccumulator sum;
-    struct Release {
-      std::size_t ids;
-      ~Release() {
-        if (ids > kKeepIds) sum = detail::RowAccumulator{};
-      }
-    } release{ids.size()};
+    // Each thread keeps its sum's memory from call to call, as ScratchLease says.
+    const ScratchLease<detail::RowAccumulator> lease(ids.size());
+    detail::RowAccumulator& sum = lease.get();
     sum.reset(dim_);
     for (std::size_t j = 0; j < ids.size(); ++j) sum.add(ids[j], grads.data() + j * dim_);
     apply(optimizer, sum, ctx);
@@ -603,13 +597,14 @@ class DynamicTable {
     std::vector<std::uint32_t> next;  // group's cursor per stripe
   };
 
-  // A thread's working memory for pull and apply, kept from call to call
-  // (a fresh allocation per call cost up to a fifth of a push of wide rows:
-  // page faults on buffers beyond malloc's mmap threshold), up to calls of
-  // kKeepIds ids: a larger call's memory goes when it returns. One per
-  // thread and optimizer type, shared by that type's tables: neither call
-  // runs the other, and nothing they run (the optimizer's update, the
-  // initializer) calls a table.
+  // A thread's working memory of type T (pull's and apply's Scratch,
+  // push's sum), kept from call to call (a fresh allocation per call cost
+  // up to a fifth of a push of wide rows: page faults on buffers beyond
+  // malloc's mmap threshold), up to calls of kKeepIds ids: a larger call's
+  // memory goes when it returns, or throws. One T per thread and optimizer
+  // type, shared by that type's tables: no call takes the same T twice
+  // (push's sum and apply's Scratch differ), and nothing they run (the
+  // optimizer's update, the initializer) calls a table.
   static constexpr std::size_t kKeepIds = std::size_t{1} << 16;
   struct Scratch {
     Batch batch;
@@ -617,18 +612,17 @@ class DynamicTable {
     std::vector<RowMeta*> changed;
     std::vector<float*> bases;
   };
-  // The scratch, given back at the end of a call of more than kKeepIds ids
-  // (the destructor runs on return and on a throw).
+  template <class T>
   class ScratchLease {
    public:
     explicit ScratchLease(std::size_t ids) : ids_(ids) {}
     ScratchLease(const ScratchLease&) = delete;
     ScratchLease& operator=(const ScratchLease&) = delete;
     ~ScratchLease() {
-      if (ids_ > kKeepIds) get() = Scratch{};
+      if (ids_ > kKeepIds) get() = T{};
     }
-    Scratch& get() const noexcept {
-      thread_local Scratch scratch;
+    T& get() const noexcept {
+      thread_local T scratch;
       return scratch;
     }
 

@@ -171,7 +171,7 @@ struct InProcess {
           if (done.ready()) return;
           help(in, done);
         }
-      if (spin_.count() == 0) return;
+      if (spin_.count() == 0 || done.ready()) return;
       const auto until = clock::now() + spin_;
       while (!done.ready() && clock::now() < until) std::this_thread::yield();
     }
