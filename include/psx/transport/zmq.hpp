@@ -704,7 +704,13 @@ class Zmq::link_type {
   // The server's receive loop, on the thread that called serve().
   class ServerLoop {
    public:
-    ServerLoop(link_type& link, RequestHandler& h) : l_(link), h_(h), seen_(link.ctx_.num_workers, false) {}
+    ServerLoop(link_type& link, RequestHandler& h)
+        : l_(link),
+          h_(h),
+          seen_(link.ctx_.num_workers, false),
+          name_("ps task " + std::to_string(*link.server_index_)) {
+      for (std::uint32_t w = 0; w < link.ctx_.num_workers; ++w) senders_.push_back(sender_text(w));
+    }
 
     void run() {
       for (;;) {
@@ -742,7 +748,7 @@ class Zmq::link_type {
         if (after >= h_.next_tick()) h_.tick(after);
       }
       // Whatever is still kept fails now; the answers go out if they can.
-      const std::string why = "psx: ps task " + std::to_string(*l_.server_index_) + " stopped before answering";
+      const std::string why = "psx: " + name_ + " stopped before answering";
       h_.drain([&] { return std::make_exception_ptr(shutdown_error(why)); });
       flush();
       l_.router_.close();
@@ -771,7 +777,7 @@ class Zmq::link_type {
               " ms (peer_timeout " + std::to_string(timeout.count()) + " ms)";
       if (why.empty()) return false;
       std::lock_guard lock(l_.mu_);
-      l_.stop_reason_ = "psx: ps task " + std::to_string(*l_.server_index_) + ": " + why;
+      l_.stop_reason_ = "psx: " + name_ + ": " + why;
       return true;
     }
 
@@ -791,8 +797,15 @@ class Zmq::link_type {
       chief_last_ = clock::now();
     }
 
-    std::string sender(std::uint32_t worker) const {
-      return "ps task " + std::to_string(*l_.server_index_) + ": a message from worker " + std::to_string(worker);
+    // "ps task S: a message from worker W", the context of a request's
+    // errors: built once per worker, not at every request.
+    std::string sender_text(std::uint32_t worker) const {
+      return name_ + ": a message from worker " + std::to_string(worker);
+    }
+    const std::string& sender(std::uint32_t worker) {
+      if (worker < senders_.size()) return senders_[worker];
+      other_sender_ = sender_text(worker);  // a worker id out of range: its request fails
+      return other_sender_;
     }
 
     void reject() { h_.link_event(RequestHandler::LinkEvent::rejected); }
@@ -833,7 +846,7 @@ class Zmq::link_type {
       const auto head = detail_zmq::bytes_of(msg[1]);
       ::psx::detail::wire::Prefix p;
       try {
-        p = ::psx::detail::wire::read_prefix(head, "ps task " + std::to_string(*l_.server_index_));
+        p = ::psx::detail::wire::read_prefix(head, name_);
       } catch (const wire_error&) {
         return reject();
       }
@@ -842,7 +855,7 @@ class Zmq::link_type {
         return answer(
             msg[0], ::psx::detail::wire::encode_refuse(
                         ::psx::detail::wire::Status::wire_error,
-                        "psx: ps task " + std::to_string(*l_.server_index_) + " speaks " +
+                        "psx: " + name_ + " speaks " +
                             ::psx::detail::wire::version_text(::psx::detail::wire::version) + ", the peer " +
                             ::psx::detail::wire::version_text(p.version) + ": build every process with the same psx"));
       }
@@ -864,7 +877,7 @@ class Zmq::link_type {
     void on_hello(std::vector<zmq::message_t>& msg, std::span<const std::byte> head) {
       ::psx::detail::wire::Hello hello;
       try {
-        hello = ::psx::detail::wire::decode_hello(head, "ps task " + std::to_string(*l_.server_index_));
+        hello = ::psx::detail::wire::decode_hello(head, name_);
       } catch (const wire_error& e) {
         reject();
         return answer(msg[0], ::psx::detail::wire::encode_refuse(::psx::detail::wire::Status::wire_error, e.what()));
@@ -880,7 +893,7 @@ class Zmq::link_type {
         reject();
         return answer(msg[0], ::psx::detail::wire::encode_refuse(
                                   ::psx::detail::wire::Status::config_error,
-                                  "psx: ps task " + std::to_string(*l_.server_index_) + " refuses " + why));
+                                  "psx: " + name_ + " refuses " + why));
       }
       heard_from(hello.worker);
       answer(msg[0], ::psx::detail::wire::encode_signal(::psx::detail::wire::Kind::welcome, l_.incarnation_));
@@ -993,6 +1006,9 @@ class Zmq::link_type {
     bool stop_ = false;
     bool chief_seen_ = false;
     clock::time_point chief_last_{};
+    const std::string name_;  // "ps task S"
+    std::vector<std::string> senders_;
+    std::string other_sender_;
   };
 
   // -- worker side: connect, hello, I/O thread -----------------------------------
@@ -1004,6 +1020,7 @@ class Zmq::link_type {
     dealers_.reserve(n);
     for (std::size_t s = 0; s < n; ++s) {
       endpoints_[s] = resolve_server(s, deadline);
+      answer_from_.push_back(worker_name() + ": an answer from " + server_name(s));
       auto& d = dealers_.emplace_back(make_dealer(s));
       detail_zmq::handing_over();
       d.send(detail_zmq::message_of(::psx::detail::wire::encode_hello(
@@ -1235,7 +1252,7 @@ class Zmq::link_type {
                        Pending& pending) {
     if (msg.empty()) return {};
     const auto head = detail_zmq::bytes_of(msg[0]);
-    const std::string where = worker_name() + ": an answer from " + server_name(s);
+    const std::string& where = answer_from_[s];
     ::psx::detail::wire::ReplyHead rh;
     try {
       const auto p = ::psx::detail::wire::read_prefix(head, where);
@@ -1341,6 +1358,7 @@ class Zmq::link_type {
   std::string bound_;
   // worker side
   std::vector<std::string> endpoints_;
+  std::vector<std::string> answer_from_;  // "worker W: an answer from ps task S (endpoint)", for errors
   std::vector<zmq::socket_t> dealers_;  // dealers_[s] only under lanes_[s].mu once the I/O thread runs
   std::unique_ptr<Lane[]> lanes_;
   std::vector<std::uint64_t> incarnations_;  // each server's, from its welcome
