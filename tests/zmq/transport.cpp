@@ -364,6 +364,56 @@ TEST_CASE("zmq: thousands of random and mutated messages: the server survives, c
   CHECK(server.stats.rejected > 0);
 }
 
+TEST_CASE("zmq: a refused request's answer names the server and the sender, a worker id out of range too") {
+  psx_test::Watchdog dog("zmq error context", std::chrono::seconds(60));
+  TempDir dir;
+  const ClusterSpec c = spec(1, 1, false, dir.path);
+  ServerThread server(c, dir.path, 1, [](auto& ps) { declare_fuzz(ps); });
+  {
+    ZmqCluster<psx::partition::HashByName, psx::sync::Synchronous, psx::optim::SGD> chief(
+        {1, 1, std::chrono::milliseconds(1000)}, {}, {}, psx::optim::SGD{0.05f}, settings(c, "chief", 0, dir.path));
+    declare_fuzz(chief);
+    chief.run([](psx::Worker&) {});
+    const std::uint64_t fingerprint = wire::fingerprint(1, 1, chief.variables());
+    zmq::context_t ctx;
+    zmq::socket_t raw(ctx, zmq::socket_type::dealer);
+    raw.set(zmq::sockopt::linger, 0);
+    raw.connect(published_endpoint(dir.path));
+    // A read of "w" as `worker`, stamped with `fp`: the text of the error it is answered with.
+    auto refusal = [&](std::uint32_t worker, std::uint64_t fp, std::uint64_t call) {
+      std::vector<float> out(1000);
+      psx::Item item;
+      item.variable = 0;
+      item.out = out;
+      psx::Request r;
+      r.op = psx::Op::read;
+      r.worker = worker;
+      r.items = {item};
+      std::vector<wire::Segment> segs;
+      zmq::send_multipart(raw, frames_of(wire::encode_request(r, {call, fp, 64}, segs), segs));
+      std::vector<zmq::pollitem_t> items{{raw.handle(), 0, ZMQ_POLLIN, 0}};
+      REQUIRE(zmq::poll(items, std::chrono::milliseconds(20000)) == 1);
+      std::vector<zmq::message_t> reply;
+      REQUIRE(zmq::recv_multipart(raw, std::back_inserter(reply)));
+      const auto rh = wire::decode_reply_head(
+          std::span<const std::byte>(static_cast<const std::byte*>(reply[0].data()), reply[0].size()), "test");
+      CHECK(rh.call == call);
+      CHECK(rh.status == wire::Status::wire_error);
+      return rh.text;
+    };
+    // Worker ids past the cluster's are named as sent, each its own.
+    CHECK(refusal(7, fingerprint, 1) == "psx: ps task 0: a message from worker 7: no such worker in a cluster of 1");
+    CHECK(refusal(4000000000u, fingerprint, 2) ==
+          "psx: ps task 0: a message from worker 4000000000: no such worker in a cluster of 1");
+    const std::string other = refusal(0, fingerprint + 1, 3);
+    CHECK(other.starts_with("psx: ps task 0: a message from worker 0 was built from other declarations (fingerprint " +
+                            std::to_string(fingerprint + 1) + ", this server " + std::to_string(fingerprint) + ")"));
+  }
+  server.thread.join();
+  REQUIRE_FALSE(server.error);
+  CHECK(server.stats.rejected >= 3);
+}
+
 TEST_CASE("zmq: a peer of another wire version is refused at the handshake, naming both versions") {
   psx_test::Watchdog dog("zmq version refusal");
   TempDir dir;
