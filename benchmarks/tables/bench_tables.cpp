@@ -251,8 +251,9 @@ int main(int argc, char** argv) {
                       all.begin() + static_cast<std::ptrdiff_t>((t + 1) * per_thread));
       std::vector<Rates> maps, tables, clusters;
       // Each round starts with another of the three (map, table, cluster;
-      // then table, cluster, map; ...): one that runs after another finds
-      // the heap already grown and pays fewer page faults.
+      // then table, cluster, map; ...; with a multiple of 3 rounds each
+      // starts equally often): one that runs after another finds the heap
+      // already grown and pays fewer page faults.
       for (std::size_t r = 0; r < rounds; ++r)
         for (std::size_t k = 0; k < 3; ++k) switch ((r + k) % 3) {
             case 0: maps.push_back(run_map(ids, dim)); break;

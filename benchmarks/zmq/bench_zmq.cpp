@@ -212,7 +212,8 @@ int main(int argc, char** argv) {
         const std::string name = std::string("t") + s.name;
         Paired push, pull;
         // A 1 MiB round takes ~0.3 s, a 64 MiB one seconds: the short ones
-        // run three times as often, for a tighter median at the same cost.
+        // run three times as often, for a tighter median at a cost still
+        // below the 64 MiB rounds'.
         const int rounds = s.floats <= sizes[1].floats ? 3 * reps : reps;
         for (int r = 0; r < rounds; ++r) {
           push.add(r, [&] { w.push(name, buf); }, [&] { raw.push(buf); });
