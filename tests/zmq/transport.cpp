@@ -345,7 +345,7 @@ TEST_CASE("zmq: thousands of random and mutated messages: the server survives, c
         std::vector<zmq::pollitem_t> items{{raw.handle(), 0, ZMQ_POLLIN, 0}};
         REQUIRE(zmq::poll(items, std::chrono::milliseconds(20000)) == 1);
         (void)zmq::recv_multipart(raw, std::back_inserter(reply));
-        const auto head = std::span<const std::byte>(static_cast<const std::byte*>(reply[0].data()), reply[0].size());
+        const auto head = psx::transport::detail_zmq::bytes_of(reply[0]);
         if (head.size() >= 16 && head[6] == std::byte{5} && wire::get<std::uint64_t>(head, 8) == 424242) {
           REQUIRE(head[7] == std::byte{0});
           answered = true;
@@ -395,8 +395,7 @@ TEST_CASE("zmq: a refused request's answer names the server and the sender, a wo
       REQUIRE(zmq::poll(items, std::chrono::milliseconds(20000)) == 1);
       std::vector<zmq::message_t> reply;
       REQUIRE(zmq::recv_multipart(raw, std::back_inserter(reply)));
-      const auto rh = wire::decode_reply_head(
-          std::span<const std::byte>(static_cast<const std::byte*>(reply[0].data()), reply[0].size()), "test");
+      const auto rh = wire::decode_reply_head(psx::transport::detail_zmq::bytes_of(reply[0]), "test");
       CHECK(rh.call == call);
       CHECK(rh.status == wire::Status::wire_error);
       return rh.text;
@@ -429,7 +428,7 @@ TEST_CASE("zmq: a peer of another wire version is refused at the handshake, nami
     raw.send(zmq::buffer(hello));
     std::vector<zmq::message_t> reply;
     (void)zmq::recv_multipart(raw, std::back_inserter(reply));
-    const auto head = std::span<const std::byte>(static_cast<const std::byte*>(reply[0].data()), reply[0].size());
+    const auto head = psx::transport::detail_zmq::bytes_of(reply[0]);
     const auto p = wire::read_prefix(head, "test");
     CHECK(p.kind == wire::Kind::refuse);
     CHECK(wire::decode_refuse(head, "test") ==
