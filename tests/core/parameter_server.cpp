@@ -397,6 +397,65 @@ TEST_CASE("in process, a spinning server and caller see each request, answer, ti
   server.join();
 }
 
+TEST_CASE("in process, a waiting caller looks for wait_spin: by default long only where each thread has a core") {
+  using us = std::chrono::microseconds;
+  const psx::transport::InProcess defaults;
+  CHECK(defaults.wait_spin_for(2, 2) == us{1000});  // one server and one worker on 2 cores
+  CHECK(defaults.wait_spin_for(4, 16) == us{1000});
+  CHECK(defaults.wait_spin_for(3, 2) == defaults.spin);  // more threads than cores
+  CHECK(psx::transport::InProcess{.spin = us{0}}.wait_spin_for(2, 16) == us{0});  // no spin: no look at all
+  CHECK(psx::transport::InProcess{.spin = us{5000}}.wait_spin_for(2, 16) == us{5000});  // never below spin
+  const psx::transport::InProcess fixed{.wait_spin = us{50}};
+  CHECK(fixed.wait_spin_for(2, 16) == us{50});
+  CHECK(fixed.wait_spin_for(64, 2) == us{50});
+  const std::size_t cores = psx::detail::usable_cores();
+  CHECK(cores >= 1);
+  if (std::thread::hardware_concurrency() > 0) CHECK(cores <= std::thread::hardware_concurrency());
+
+  // The caller's look is its own: a server thread that does not spin, and a
+  // handler that answers only once the caller is looking. A caller that
+  // looks for 100 s returns from await with its answer; one that does not
+  // look returns while the handler still holds it.
+  Watchdog dog("wait_spin");
+  for (const bool looks : {true, false}) {
+    CAPTURE(looks);
+    psx::transport::InProcess::link_type link(1, false, us{0}, looks ? us{100'000'000} : us{0});
+    NotingHandler h;
+    std::promise<void> go;
+    std::shared_future<void> released = go.get_future().share();
+    h.during = [released] { released.wait(); };
+    std::thread server([&] {
+      {
+        std::lock_guard lock(h.mu);
+        h.during_on = std::this_thread::get_id();
+      }
+      link.serve(0, h);
+    });
+    auto done = std::make_shared<psx::Completion>(1);
+    {
+      psx::Request r;
+      r.done = done;
+      link.send(0, std::move(r));
+    }
+    if (looks) {
+      std::thread release([&] {
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));  // the caller looks by then
+        go.set_value();
+      });
+      link.await(0, *done);
+      CHECK(done->ready());
+      release.join();
+    } else {
+      link.await(0, *done);
+      CHECK_FALSE(done->ready());  // the handler holds the answer until go
+      go.set_value();
+    }
+    done->wait();
+    link.close();
+    server.join();
+  }
+}
+
 TEST_CASE("in process, spin must be between 0 and 1 s") {
   using PS = psx::ParameterServer<psx::partition::HashByName, psx::sync::Asynchronous, psx::optim::SGD>;
   for (const auto spin : {std::chrono::microseconds{-1}, std::chrono::microseconds{1'000'001}}) {
@@ -404,6 +463,11 @@ TEST_CASE("in process, spin must be between 0 and 1 s") {
     PS ps({1, 1}, {}, {}, psx::optim::SGD{0.1f}, psx::transport::InProcess{.spin = spin});
     ps.declare(psx::dense("x", {2}));
     CHECK_THROWS_WITH_AS(ps.start(), doctest::Contains("InProcess::spin must be between 0 and 1 s"), psx::config_error);
+    PS waits({1, 1}, {}, {}, psx::optim::SGD{0.1f}, psx::transport::InProcess{.wait_spin = spin});
+    waits.declare(psx::dense("x", {2}));
+    const std::string message =
+        "InProcess::wait_spin must be between 0 and 1 s, got " + std::to_string(spin.count()) + " us";
+    CHECK_THROWS_WITH_AS(waits.start(), doctest::Contains(message.c_str()), psx::config_error);
   }
   for (const auto spin : {std::chrono::microseconds{0}, std::chrono::microseconds{1'000'000}}) {
     CAPTURE(spin.count());

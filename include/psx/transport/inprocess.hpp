@@ -18,11 +18,12 @@
 //! other than the server's handles only what was queued when it took the
 //! inbox over, so no caller is kept serving what others send meanwhile.
 //!
-//! Before sleeping, a server thread that found its inbox empty and a caller
-//! waiting for its answer look again for `InProcess::spin` (100
-//! microseconds by default), yielding the core between looks: on a virtual
-//! machine a futex wake-up costs tens of microseconds, as much as a whole
-//! pull of a thousand rows.
+//! Before sleeping, a server thread that found its inbox empty looks again
+//! for `InProcess::spin` (100 microseconds by default), and a caller waiting
+//! for its answer for `InProcess::wait_spin` (by default 1 ms when every
+//! server and worker thread has a core, else `spin`), yielding the core
+//! between looks: on a virtual machine a futex wake-up costs tens of
+//! microseconds, as much as a whole pull of a thousand rows.
 #pragma once
 
 #include <psx/concepts.hpp>
@@ -38,14 +39,34 @@
 #include <exception>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <ostream>
 #include <string>
 #include <thread>
 #include <utility>
 #include <vector>
 
+#if defined(__linux__)
+#include <sched.h>
+#endif
+
 namespace psx {
 inline namespace v0 {
+namespace detail {
+
+// The cores this process may run on: its CPU affinity where the platform
+// tells it, else the machine's hardware threads; at least 1.
+inline std::size_t usable_cores() noexcept {
+#if defined(__linux__)
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof set, &set) == 0) return static_cast<std::size_t>(std::max(CPU_COUNT(&set), 1));
+#endif
+  return std::max(1u, std::thread::hardware_concurrency());
+}
+
+}  // namespace detail
+
 namespace transport {
 
 //! The in-process transport (the default).
@@ -77,12 +98,30 @@ struct InProcess {
   //! with 500 (single runs, noisy); bench_sync gained 2-5x with 100.
   std::chrono::microseconds spin{100};
 
+  //! How long a caller waiting for an answer keeps looking for it (as
+  //! `spin` says) before it sleeps. Unset (the default): 1 ms (or `spin`,
+  //! if longer) when the cluster's threads, one per server and one per
+  //! worker, are no more than the cores this process may run on
+  //! (`sched_getaffinity`); otherwise `spin`, and zero when `spin` is. A
+  //! server that takes longer than `spin` to answer (a 1024-id `pull_rows`
+  //! of 64 floats a row: about 100 µs) then answers a caller that is still
+  //! awake. The price is up to this much CPU time per call, on a core that
+  //! no cluster thread needs; where threads outnumber cores a looking caller
+  //! would take time from the servers. Measured in docs/architecture.md.
+  //! Between 0 and 1 s, like `spin`.
+  std::optional<std::chrono::microseconds> wait_spin{};
+
   //! One inbox per server; `serve` handles it, and so do waiting callers.
   class link_type {
    public:
+    //! Servers and callers alike look for `spin`.
     explicit link_type(std::size_t num_servers, bool waiters_serve = false,
                        std::chrono::microseconds spin = std::chrono::microseconds{0})
-        : inboxes_(num_servers), waiters_serve_(waiters_serve), spin_(spin) {}
+        : link_type(num_servers, waiters_serve, spin, spin) {}
+    //! Server threads look for `spin`, waiting callers for `wait_spin`.
+    link_type(std::size_t num_servers, bool waiters_serve, std::chrono::microseconds spin,
+              std::chrono::microseconds wait_spin)
+        : inboxes_(num_servers), waiters_serve_(waiters_serve), spin_(spin), wait_spin_(wait_spin) {}
 
     void send(std::size_t server, Request&& r) {
       if (server >= inboxes_.size())
@@ -171,8 +210,8 @@ struct InProcess {
           if (done.ready()) return;
           help(in, done);
         }
-      if (spin_.count() == 0 || done.ready()) return;
-      const auto until = clock::now() + spin_;
+      if (wait_spin_.count() == 0 || done.ready()) return;
+      const auto until = clock::now() + wait_spin_;
       while (!done.ready() && clock::now() < until) std::this_thread::yield();
     }
 
@@ -251,13 +290,27 @@ struct InProcess {
     std::vector<Inbox> inboxes_;
     bool waiters_serve_;
     std::chrono::microseconds spin_;
+    std::chrono::microseconds wait_spin_;
   };
 
   std::unique_ptr<link_type> connect(const TransportContext& ctx) const {
-    if (spin < std::chrono::microseconds{0} || spin > std::chrono::seconds{1})
-      throw config_error("psx: InProcess::spin must be between 0 and 1 s, got " + std::to_string(spin.count()) +
-                         " us");
-    return std::make_unique<link_type>(ctx.num_servers, waiters_serve, spin);
+    auto check = [](const char* what, std::chrono::microseconds us) {
+      if (us < std::chrono::microseconds{0} || us > std::chrono::seconds{1})
+        throw config_error(std::string("psx: InProcess::") + what + " must be between 0 and 1 s, got " +
+                           std::to_string(us.count()) + " us");
+    };
+    check("spin", spin);
+    if (wait_spin) check("wait_spin", *wait_spin);
+    return std::make_unique<link_type>(ctx.num_servers, waiters_serve, spin,
+                                       wait_spin_for(ctx.num_servers + ctx.num_workers, detail::usable_cores()));
+  }
+
+  //! The caller's look before it sleeps (`wait_spin`) in a cluster of
+  //! `threads` server and worker threads on `cores` cores.
+  std::chrono::microseconds wait_spin_for(std::size_t threads, std::size_t cores) const noexcept {
+    if (wait_spin) return *wait_spin;
+    if (spin.count() == 0 || threads > cores) return spin;
+    return std::max(spin, std::chrono::microseconds{1000});
   }
   friend bool operator==(const InProcess&, const InProcess&) = default;
   //! "InProcess", with the settings that differ from the defaults.
@@ -268,6 +321,7 @@ struct InProcess {
     const char* sep = "{";
     if (t.waiters_serve != defaults.waiters_serve) os << std::exchange(sep, ", ") << "waiters_serve=true";
     if (t.spin != defaults.spin) os << std::exchange(sep, ", ") << "spin=" << t.spin.count() << "us";
+    if (t.wait_spin) os << std::exchange(sep, ", ") << "wait_spin=" << t.wait_spin->count() << "us";
     return os << '}';
   }
 };
