@@ -4,7 +4,8 @@
 // gradient to it) on a private array per thread, with no server at all.
 //
 //   ./bench_sync [steps]
-//   PSX_SPIN_US=n ./bench_sync ...   with InProcess{.spin = n us} (default 100)
+//   PSX_SPIN_US=n ./bench_sync ...        with InProcess{.spin = n us} (default 100)
+//   PSX_WAIT_SPIN_US=n ./bench_sync ...   with InProcess{.wait_spin = n us} (default: automatic)
 #include <psx/psx.hpp>
 
 #include <algorithm>
@@ -31,6 +32,7 @@ struct Result {
 psx::transport::InProcess transport() {
   psx::transport::InProcess t;
   if (const char* us = std::getenv("PSX_SPIN_US")) t.spin = std::chrono::microseconds(std::atoi(us));
+  if (const char* us = std::getenv("PSX_WAIT_SPIN_US")) t.wait_spin = std::chrono::microseconds(std::atoi(us));
   return t;
 }
 

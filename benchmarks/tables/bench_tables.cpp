@@ -33,6 +33,7 @@
 //   bench_tables [ids_per_thread] [rounds]     (default 4M, 3)
 //   PSX_WAITERS_SERVE=1 bench_tables ...       the cluster with InProcess{.waiters_serve = true}
 //   PSX_SPIN_US=n bench_tables ...             the cluster with InProcess{.spin = n us} (default 100)
+//   PSX_WAIT_SPIN_US=n bench_tables ...        the cluster with InProcess{.wait_spin = n us} (default: automatic)
 #include <psx/psx.hpp>
 
 #include "../zipf.hpp"
@@ -194,11 +195,13 @@ Rates run_table(const std::vector<std::vector<std::uint64_t>>& ids, std::size_t 
 }
 
 // The cluster's transport: InProcess, with waiters_serve under
-// PSX_WAITERS_SERVE=1 and a spin of n µs under PSX_SPIN_US=n.
+// PSX_WAITERS_SERVE=1, a spin of n µs under PSX_SPIN_US=n and a caller's
+// look of n µs under PSX_WAIT_SPIN_US=n.
 psx::transport::InProcess cluster_transport() {
   psx::transport::InProcess t;
   if (const char* serve = std::getenv("PSX_WAITERS_SERVE")) t.waiters_serve = std::atoi(serve) != 0;
   if (const char* us = std::getenv("PSX_SPIN_US")) t.spin = std::chrono::microseconds(std::atoi(us));
+  if (const char* us = std::getenv("PSX_WAIT_SPIN_US")) t.wait_spin = std::chrono::microseconds(std::atoi(us));
   return t;
 }
 

@@ -408,18 +408,33 @@ TEST_CASE("in process, a waiting caller looks for wait_spin: by default long onl
   const psx::transport::InProcess fixed{.wait_spin = us{50}};
   CHECK(fixed.wait_spin_for(2, 16) == us{50});
   CHECK(fixed.wait_spin_for(64, 2) == us{50});
+  // connect hands the link the server's spin and the caller's look for this
+  // cluster's threads on this process's cores.
   const std::size_t cores = psx::detail::usable_cores();
   CHECK(cores >= 1);
-  if (std::thread::hardware_concurrency() > 0) CHECK(cores <= std::thread::hardware_concurrency());
+  psx::TransportContext one_each, crowded;  // one server and one worker; more threads than cores
+  one_each.num_servers = one_each.num_workers = 1;
+  crowded.num_servers = 2;
+  crowded.num_workers = cores;
+  CHECK(defaults.connect(one_each)->spin() == us{100});
+  CHECK(defaults.connect(one_each)->wait_spin() == (cores >= 2 ? us{1000} : us{100}));
+  CHECK(defaults.connect(crowded)->wait_spin() == us{100});
+  CHECK(psx::transport::InProcess{.spin = us{0}}.connect(one_each)->wait_spin() == us{0});
+  const auto both = psx::transport::InProcess{.spin = us{7}, .wait_spin = us{9}}.connect(crowded);
+  CHECK(both->spin() == us{7});
+  CHECK(both->wait_spin() == us{9});
 
-  // The caller's look is its own: a server thread that does not spin, and a
-  // handler that answers only once the caller is looking. A caller that
-  // looks for 100 s returns from await with its answer; one that does not
-  // look returns while the handler still holds it.
+  // The caller's look is its own, not the server thread's: a handler that
+  // answers only once the caller is looking, and a caller that looks for
+  // 100 s at a server that does not spin returns from await with its
+  // answer; one that does not look, at a server that spins for 100 s,
+  // returns while the handler still holds it (had it looked for the
+  // server's spin, the watchdog would end the run).
   Watchdog dog("wait_spin");
   for (const bool looks : {true, false}) {
     CAPTURE(looks);
-    psx::transport::InProcess::link_type link(1, false, us{0}, looks ? us{100'000'000} : us{0});
+    const us long_look{100'000'000};
+    psx::transport::InProcess::link_type link(1, false, looks ? us{0} : long_look, looks ? long_look : us{0});
     NotingHandler h;
     std::promise<void> go;
     std::shared_future<void> released = go.get_future().share();
@@ -456,7 +471,7 @@ TEST_CASE("in process, a waiting caller looks for wait_spin: by default long onl
   }
 }
 
-TEST_CASE("in process, spin must be between 0 and 1 s") {
+TEST_CASE("in process, spin and wait_spin must be between 0 and 1 s") {
   using PS = psx::ParameterServer<psx::partition::HashByName, psx::sync::Asynchronous, psx::optim::SGD>;
   for (const auto spin : {std::chrono::microseconds{-1}, std::chrono::microseconds{1'000'001}}) {
     CAPTURE(spin.count());
@@ -470,15 +485,21 @@ TEST_CASE("in process, spin must be between 0 and 1 s") {
     CHECK_THROWS_WITH_AS(waits.start(), doctest::Contains(message.c_str()), psx::config_error);
   }
   for (const auto spin : {std::chrono::microseconds{0}, std::chrono::microseconds{1'000'000}}) {
-    CAPTURE(spin.count());
-    PS ps({1, 1}, {}, {}, psx::optim::SGD{0.1f}, psx::transport::InProcess{.spin = spin});
-    ps.declare(psx::dense("x", {2}));
-    ps.run([](psx::Worker& w) {
-      std::vector<float> x(2);
-      w.pull("x", x);
-      w.push("x", std::vector<float>{1, 1});
-    });
-    CHECK(ps.read("x") == std::vector<float>{-0.1f, -0.1f});
+    for (const bool caller : {false, true}) {
+      CAPTURE(spin.count());
+      CAPTURE(caller);
+      psx::transport::InProcess t;
+      if (caller) t.wait_spin = spin;
+      else t.spin = spin;
+      PS ps({1, 1}, {}, {}, psx::optim::SGD{0.1f}, t);
+      ps.declare(psx::dense("x", {2}));
+      ps.run([](psx::Worker& w) {
+        std::vector<float> x(2);
+        w.pull("x", x);
+        w.push("x", std::vector<float>{1, 1});
+      });
+      CHECK(ps.read("x") == std::vector<float>{-0.1f, -0.1f});
+    }
   }
 }
 

@@ -285,6 +285,7 @@ TEST_CASE("policy values print what they are") {
   CHECK(str(psx::transport::InProcess{.waiters_serve = true, .spin = std::chrono::microseconds{0}}) ==
         "InProcess{waiters_serve=true, spin=0us}");
   CHECK(str(psx::transport::InProcess{.wait_spin = std::chrono::microseconds{300}}) == "InProcess{wait_spin=300us}");
+  CHECK(str(psx::transport::InProcess{.wait_spin = std::chrono::microseconds{0}}) == "InProcess{wait_spin=0us}");
   CHECK(str(psx::ClusterConfig{2, 4}) == "ClusterConfig{servers=2, workers=4, peer_timeout=0ms}");
 }
 

@@ -20,10 +20,11 @@
 //!
 //! Before sleeping, a server thread that found its inbox empty looks again
 //! for `InProcess::spin` (100 microseconds by default), and a caller waiting
-//! for its answer for `InProcess::wait_spin` (by default 1 ms when every
-//! server and worker thread has a core, else `spin`), yielding the core
-//! between looks: on a virtual machine a futex wake-up costs tens of
-//! microseconds, as much as a whole pull of a thousand rows.
+//! for its answer for `InProcess::wait_spin` (by default the longer of 1 ms
+//! and `spin` when every server and worker thread has a core, else `spin`;
+//! none when `spin` is zero), yielding the core between looks: on a virtual
+//! machine a futex wake-up costs tens of microseconds, as much as a whole
+//! pull of a thousand rows.
 #pragma once
 
 #include <psx/concepts.hpp>
@@ -54,8 +55,9 @@ namespace psx {
 inline namespace v0 {
 namespace detail {
 
-// The cores this process may run on: its CPU affinity where the platform
-// tells it, else the machine's hardware threads; at least 1.
+// The logical CPUs this process may run on: its CPU affinity set where the
+// platform tells it (Linux, up to 1024 CPUs), else the machine's hardware
+// threads; at least 1.
 inline std::size_t usable_cores() noexcept {
 #if defined(__linux__)
   cpu_set_t set;
@@ -84,31 +86,35 @@ struct InProcess {
   //! because it runs optimizer code on worker threads.
   bool waiters_serve = false;
 
-  //! How long a server thread that found its inbox empty, and a caller
-  //! waiting for an answer, keep looking for work (yielding the core
-  //! between looks) before they sleep: a request or an answer that comes
-  //! within it is taken without a thread wake-up, which costs tens of
-  //! microseconds on a loaded or virtual machine. The price is up to this
-  //! much CPU time after each batch of requests and each call (an idle
-  //! server does not spin after its periodic tick). Zero: sleep at once.
-  //! At most one second (`connect` refuses more, and a negative value).
-  //! 100 µs: on the project's 2-core VM a 1024-id `pull_rows` from one
-  //! worker (bench_tables, dim 16) ran at 7.8 Mids/s with 0, 11.2 with
-  //! 20 µs, 17.3 with 50, 16.4-26.4 with 100, 21.5-24.2 with 200 and 16.8
-  //! with 500 (single runs, noisy); bench_sync gained 2-5x with 100.
+  //! How long a server thread that found its inbox empty keeps looking for
+  //! work (yielding the core between looks) before it sleeps: a request
+  //! that comes within it is taken without a thread wake-up, which costs
+  //! tens of microseconds on a loaded or virtual machine. The price is up
+  //! to this much CPU time after each batch of requests (an idle server
+  //! does not spin after its periodic tick). A waiting caller looks for
+  //! `wait_spin`, which follows this one where threads outnumber cores.
+  //! Zero: sleep at once (callers too, unless `wait_spin` is set). At most
+  //! one second (`connect` refuses more, and a negative value). 100 µs: on
+  //! the project's 2-core VM, before `wait_spin` (callers looked for this
+  //! long too), a 1024-id `pull_rows` from one worker (bench_tables, dim 16)
+  //! ran at 7.8 Mids/s with 0, 11.2 with 20 µs, 17.3 with 50, 16.4-26.4
+  //! with 100, 21.5-24.2 with 200 and 16.8 with 500 (single runs, noisy);
+  //! bench_sync gained 2-5x with 100.
   std::chrono::microseconds spin{100};
 
-  //! How long a caller waiting for an answer keeps looking for it (as
-  //! `spin` says) before it sleeps. Unset (the default): 1 ms (or `spin`,
-  //! if longer) when the cluster's threads, one per server and one per
-  //! worker, are no more than the cores this process may run on
-  //! (`sched_getaffinity`); otherwise `spin`, and zero when `spin` is. A
-  //! server that takes longer than `spin` to answer (a 1024-id `pull_rows`
-  //! of 64 floats a row: about 100 µs) then answers a caller that is still
-  //! awake. The price is up to this much CPU time per call, on a core that
-  //! no cluster thread needs; where threads outnumber cores a looking caller
-  //! would take time from the servers. Measured in docs/architecture.md.
-  //! Between 0 and 1 s, like `spin`.
+  //! How long a caller waiting for an answer keeps looking for it (yielding
+  //! the core between looks) before it sleeps. Unset (the default): the
+  //! longer of 1 ms and `spin` when the cluster's threads, one per server
+  //! and one per worker, are no more than the logical CPUs this process may
+  //! run on (its `sched_getaffinity` set; a CPU quota, other threads and
+  //! other processes are not seen); otherwise `spin`, and zero when `spin`
+  //! is. A server that takes longer than `spin` to answer (a 1024-id
+  //! `pull_rows` of 64 floats a row: about 100 µs) then answers a caller
+  //! that is still awake. The price is up to this much CPU time per call,
+  //! on a CPU that no cluster thread needs (though it may share a physical
+  //! core with one); where threads outnumber CPUs a looking caller would
+  //! take time from the servers. Measured in docs/architecture.md. Between
+  //! 0 and 1 s, like `spin`.
   std::optional<std::chrono::microseconds> wait_spin{};
 
   //! One inbox per server; `serve` handles it, and so do waiting callers.
@@ -119,9 +125,14 @@ struct InProcess {
                        std::chrono::microseconds spin = std::chrono::microseconds{0})
         : link_type(num_servers, waiters_serve, spin, spin) {}
     //! Server threads look for `spin`, waiting callers for `wait_spin`.
-    link_type(std::size_t num_servers, bool waiters_serve, std::chrono::microseconds spin,
-              std::chrono::microseconds wait_spin)
+    explicit link_type(std::size_t num_servers, bool waiters_serve, std::chrono::microseconds spin,
+                       std::chrono::microseconds wait_spin)
         : inboxes_(num_servers), waiters_serve_(waiters_serve), spin_(spin), wait_spin_(wait_spin) {}
+
+    //! How long server threads look for requests before they sleep.
+    std::chrono::microseconds spin() const noexcept { return spin_; }
+    //! How long a waiting caller looks for its answer before it sleeps.
+    std::chrono::microseconds wait_spin() const noexcept { return wait_spin_; }
 
     void send(std::size_t server, Request&& r) {
       if (server >= inboxes_.size())
