@@ -264,6 +264,50 @@ inline std::uint32_t masked_crc32c(std::string_view s) noexcept {
   return ((c >> 15) | (c << 17)) + 0xa282ead8u;
 }
 
+// The offset of the first byte of `s` that is not well-formed UTF-8 (RFC
+// 3629: no overlong forms, surrogates or code points above U+10FFFF, as
+// protobuf requires of a string field), or npos when all of it is.
+inline std::size_t invalid_utf8_at(std::string_view s) noexcept {
+  for (std::size_t i = 0; i < s.size();) {
+    const auto c = static_cast<unsigned char>(s[i]);
+    std::size_t n = 0;
+    std::uint32_t cp = 0, least = 0;
+    if (c < 0x80) {
+      ++i;
+      continue;
+    }
+    if ((c & 0xE0) == 0xC0) n = 1, cp = c & 0x1Fu, least = 0x80;
+    else if ((c & 0xF0) == 0xE0) n = 2, cp = c & 0x0Fu, least = 0x800;
+    else if ((c & 0xF8) == 0xF0) n = 3, cp = c & 0x07u, least = 0x10000;
+    else return i;
+    if (s.size() - i <= n) return i;
+    for (std::size_t k = 1; k <= n; ++k) {
+      const auto b = static_cast<unsigned char>(s[i + k]);
+      if ((b & 0xC0) != 0x80) return i;
+      cp = cp << 6 | (b & 0x3Fu);
+    }
+    if (cp < least || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF)) return i;
+    i += n + 1;
+  }
+  return std::string_view::npos;
+}
+
+// `s` for a message: printable ASCII as it is, other bytes as \xNN.
+inline std::string escaped(std::string_view s) {
+  std::string out;
+  for (const char ch : s) {
+    const auto c = static_cast<unsigned char>(ch);
+    if (c >= 0x20 && c < 0x7F && c != '\\') {
+      out += ch;
+    } else {
+      char hex[8];
+      std::snprintf(hex, sizeof hex, "\\x%02X", c);
+      out += hex;
+    }
+  }
+  return out;
+}
+
 // TFRecord framing: length, masked CRC of the length, data, masked CRC of the data.
 inline void append_record(std::string& out, std::string_view data) {
   std::string len;
@@ -482,20 +526,44 @@ class Writer {
   const std::filesystem::path& path() const noexcept { return path_; }
   const Options& options() const noexcept { return options_; }
 
+  // Every tag must be UTF-8 (a protobuf string): TensorBoard stops reading
+  // a file at a record whose tag is not, so such a tag throws summary_error
+  // and nothing is written.
+
   //! A scalar (simple_value); NaN and ±inf are written as given.
   void scalar(std::string_view tag, float value, std::int64_t step) {
+    check_tag(tag);
     append_event(step, detail::scalar_value(tag, value));
   }
   //! A histogram of `values` (`make_histogram`: TensorFlow's buckets).
   void histogram(std::string_view tag, std::span<const float> values, std::int64_t step) {
+    check_tag(tag);
     append_event(step, detail::histogram_value(tag, make_histogram(values)));
   }
-  //! A histogram made elsewhere (counts already in buckets: `staleness_histogram`).
+  //! A histogram made elsewhere (counts already in buckets: `staleness_histogram`):
+  //! as many counts as limits, limits strictly ascending, counts finite and
+  //! not negative, or summary_error (TensorBoard stops reading a file at a
+  //! histogram it cannot draw).
   void histogram(std::string_view tag, const Histogram& h, std::int64_t step) {
+    check_tag(tag);
+    const auto bad = [&](const std::string& what) {
+      return summary_error("psx::summary: histogram \"" + detail::escaped(tag) + "\": " + what + "; nothing written");
+    };
+    if (h.bucket.size() != h.bucket_limit.size())
+      throw bad(std::to_string(h.bucket_limit.size()) + " bucket limits but " + std::to_string(h.bucket.size()) +
+                " buckets");
+    for (std::size_t i = 0; i < h.bucket.size(); ++i) {
+      if (!(h.bucket[i] >= 0) || std::isinf(h.bucket[i]))
+        throw bad("bucket " + std::to_string(i) + " counts " + std::to_string(h.bucket[i]));
+      if (i > 0 && !(h.bucket_limit[i - 1] < h.bucket_limit[i]))
+        throw bad("bucket limits not ascending at " + std::to_string(i) + " (" + std::to_string(h.bucket_limit[i - 1]) +
+                  ", then " + std::to_string(h.bucket_limit[i]) + ")");
+    }
     append_event(step, detail::histogram_value(tag, h));
   }
   //! Text for TensorBoard's text plugin (Markdown).
   void text(std::string_view tag, std::string_view text, std::int64_t step) {
+    check_tag(tag);
     append_event(step, detail::text_value(tag, text));
   }
 
@@ -514,7 +582,9 @@ class Writer {
   }
 
   //! Writes the buffer out, syncs and closes the file; later logging throws
-  //! summary_error. A second call does nothing.
+  //! summary_error. Throws summary_error when that fails, or when an
+  //! earlier write failed and records logged meanwhile by other threads
+  //! were not written. A second call does nothing.
   void close() {
     std::lock_guard io(io_mu_);
     std::string out;
@@ -530,6 +600,10 @@ class Writer {
     } catch (const summary_error& e) {
       error = e.what();
     }
+    // Records logged while the write that failed was under way (other
+    // threads' calls returned before it failed) are lost: say so.
+    if (!failed_.empty() && !out.empty())
+      error = failed_ + "; " + std::to_string(out.size()) + " bytes of records logged since were not written";
     if (error.empty() && failed_.empty() && ::fsync(fd_) != 0) error = io_message("sync");
     if (::close(fd_) != 0 && error.empty() && failed_.empty()) error = io_message("close");
     if (!error.empty()) throw summary_error(error);
@@ -541,6 +615,12 @@ class Writer {
   }
   std::string io_message(const char* what) const {
     return std::string("psx::summary: cannot ") + what + " " + path_.string() + ": " + std::strerror(errno);
+  }
+  static void check_tag(std::string_view tag) {
+    const std::size_t at = detail::invalid_utf8_at(tag);
+    if (at != std::string_view::npos)
+      throw summary_error("psx::summary: tag \"" + detail::escaped(tag) + "\" is not UTF-8 (byte " +
+                          std::to_string(at) + "); nothing written");
   }
   // Under mu_.
   void check_open() const {
@@ -592,8 +672,10 @@ class Writer {
 //! Every event of an event file, in order. Checks each record's length CRC
 //! and data CRC and decodes the fields above (unknown fields are skipped);
 //! a truncated, corrupted or malformed record throws summary_error naming
-//! the file and the record's byte offset. Nothing is allocated beyond the
-//! file's size.
+//! the file and the record's byte offset. Memory grows with the file, never
+//! with what its bytes claim: a length beyond the file is refused before
+//! anything is allocated; each value decoded takes sizeof(Value) bytes (a
+//! few hundred), where the file may spend as few as 2 on it.
 inline std::vector<Event> read_events(const std::filesystem::path& file) {
   std::error_code ec;
   const std::uint64_t size = std::filesystem::file_size(file, ec);
@@ -639,7 +721,9 @@ inline std::vector<Event> read_events(const std::filesystem::path& file) {
 
 //! A server's staleness counts (`ServerStats::staleness`: `counts[k]`
 //! gradients k versions old, the last bucket k or more) as a histogram:
-//! bucket k spans [k - 0.5, k + 0.5), so TensorBoard centres it on k.
+//! bucket k spans [k - 0.5, k + 0.5), so TensorBoard centres it on k (but
+//! for the first and last buckets that count any: TensorBoard ends those
+//! at `min` and `max`, here the smallest and largest k counted).
 inline Histogram staleness_histogram(std::span<const std::uint64_t> counts) {
   Histogram h;
   h.min = DBL_MAX;
@@ -731,12 +815,14 @@ class Progress {
 
   //! `250/1500 steps (16.7%), 833 steps/s, 0.3 s elapsed, ETA 1.5 s`.
   std::string line() const {
-    char head[160];
-    const double pct = total_ > 0 ? 100.0 * static_cast<double>(done_) / static_cast<double>(total_) : 100.0;
-    std::snprintf(head, sizeof head, "%llu/%llu %s (%.1f%%), %.4g %s/s, ", static_cast<unsigned long long>(done_),
-                  static_cast<unsigned long long>(total_), unit_.c_str(), pct, rate(), unit_.c_str());
+    char pct[32], rate_text[32];
+    std::snprintf(pct, sizeof pct, "%.1f%%",
+                  total_ > 0 ? 100.0 * static_cast<double>(done_) / static_cast<double>(total_) : 100.0);
+    std::snprintf(rate_text, sizeof rate_text, "%.4g", rate());
     const double eta = eta_seconds();
-    return head + duration(elapsed_seconds()) + " elapsed, ETA " + (std::isnan(eta) ? std::string("-") : duration(eta));
+    return std::to_string(done_) + "/" + std::to_string(total_) + " " + unit_ + " (" + pct + "), " + rate_text + " " +
+           unit_ + "/s, " + duration(elapsed_seconds()) + " elapsed, ETA " +
+           (std::isnan(eta) ? std::string("-") : duration(eta));
   }
 
   //! `0.3 s`, `42 s`, `3m05s`, `2h03m`.

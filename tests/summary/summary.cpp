@@ -251,6 +251,68 @@ TEST_CASE("summary: write, then read back every value") {
   CHECK(events[8].values.at(0).text.empty());
 }
 
+TEST_CASE("summary: a tag that is not UTF-8, or a hand-made histogram TensorBoard cannot draw, is refused") {
+  TempDir dir("psx-summary");
+  psx::SummaryWriter w(dir.path);
+  // Accepted: UTF-8 of 1 to 4 bytes a character, and the empty tag.
+  w.scalar("λ/loss", 1, 1);
+  w.scalar("\xF0\x9D\x9B\xBC\xEF\xBF\xBF\xF4\x8F\xBF\xBF", 2, 2);  // U+1D6FC, U+FFFF, U+10FFFF
+  w.scalar("", 3, 3);
+  w.flush();
+  const auto size = fs::file_size(w.path());
+  // Refused, each with the byte where it goes wrong.
+  const std::pair<std::string, std::string> bad_tags[] = {
+      {"loss\xFF", "byte 4"},                 // not a lead byte
+      {"a\xC0\xAF", "byte 1"},               // '/' in two bytes (overlong)
+      {"\xE0\x80\xAF", "byte 0"},           // '/' in three bytes (overlong)
+      {"x\xED\xA0\x80", "byte 1"},          // a surrogate, U+D800
+      {"\xF4\x90\x80\x80", "byte 0"},      // U+110000
+      {"ok\xE2\x82", "byte 2"},              // cut short at the end
+      {"\xE2\x28\xA1", "byte 0"},           // a continuation byte missing
+      {"\x80", "byte 0"},                     // a continuation byte alone
+  };
+  for (const auto& [tag, where] : bad_tags) {
+    CAPTURE(where);
+    const auto e = psx_test::message_of<psx::summary_error>([&] { w.scalar(tag, 1, 4); });
+    CHECK(e.find("is not UTF-8 (" + where + ")") != std::string::npos);
+    CHECK(e.find("\\x") != std::string::npos);  // the bad bytes escaped in the message
+    CHECK_THROWS_AS(w.text(tag, "t", 4), psx::summary_error);
+    CHECK_THROWS_AS(w.histogram(tag, std::vector<float>{1.0f}, 4), psx::summary_error);
+  }
+  // A hand-made histogram: as many counts as limits, limits ascending, counts finite and >= 0.
+  psx::summary::Histogram h;
+  h.min = 0, h.max = 2, h.num = 3, h.sum = 3, h.sum_squares = 5;
+  h.bucket_limit = {0.5, 1.5, DBL_MAX};
+  h.bucket = {1, 1, 1};
+  auto refused = [&](const psx::summary::Histogram& bad) {
+    return psx_test::message_of<psx::summary_error>([&] { w.histogram("h", bad, 5); });
+  };
+  auto mismatched = h;
+  mismatched.bucket.pop_back();
+  CHECK(refused(mismatched).find("histogram \"h\": 3 bucket limits but 2 buckets") != std::string::npos);
+  auto descending = h;
+  descending.bucket_limit[1] = 0.5;
+  CHECK(refused(descending).find("not ascending at 1") != std::string::npos);
+  auto negative = h;
+  negative.bucket[2] = -1;
+  CHECK(refused(negative).find("bucket 2 counts") != std::string::npos);
+  auto nan = h;
+  nan.bucket[0] = std::numeric_limits<double>::quiet_NaN();
+  CHECK(refused(nan).find("bucket 0 counts") != std::string::npos);
+  auto inf = h;
+  inf.bucket[1] = std::numeric_limits<double>::infinity();
+  CHECK(refused(inf).find("bucket 1 counts") != std::string::npos);
+  w.flush();
+  CHECK(fs::file_size(w.path()) == size);  // nothing refused was written
+  w.histogram("h", h, 6);                  // and the writer goes on
+  w.close();
+  const auto events = psx::summary::read_events(w.path());
+  REQUIRE(events.size() == 5);
+  CHECK(events[1].values.at(0).tag == "λ/loss");
+  CHECK(events[3].values.at(0).tag.empty());
+  CHECK(events[4].values.at(0).histogram == h);
+}
+
 TEST_CASE("summary: reading back, the documented way") {
   TempDir dir("psx-summary");
   fs::path path;
@@ -578,6 +640,11 @@ TEST_CASE("summary: Progress says how far, how fast and how long still") {
   // A clock that went backwards counts as no time passed.
   p.update(10, t0 - 1s);
   CHECK(p.elapsed_seconds() == 0.0);
+  // A long unit is not cut short.
+  const std::string unit(200, 'u');
+  psx::summary::Progress longer(4, unit, t0);
+  longer.update(2, t0 + 1s);
+  CHECK(longer.line() == "2/4 " + unit + " (50.0%), 2 " + unit + "/s, 1.0 s elapsed, ETA 1.0 s");
   CHECK(psx::summary::Progress::duration(42.4) == "42 s");
   CHECK(psx::summary::Progress::duration(3725) == "1h02m");
   CHECK(psx::summary::Progress::duration(9.96) == "10 s");
