@@ -93,7 +93,9 @@ inline void clip_by_value(std::span<float> g, float lo, float hi) {
 //! Rescales `g` so that its l2 norm is at most `clip_norm`, like
 //! `tf.clip_by_norm`: `g * clip_norm / max(l2norm(g), clip_norm)`, so `g` is
 //! left exactly as it is when its norm is `<= clip_norm`. Returns the norm
-//! before clipping (the sum of squares is accumulated in double). As in TF,
+//! before clipping (the sum of squares is accumulated in double, and the
+//! clipping done with it; the float returned is +inf for a norm above
+//! FLT_MAX, as of `{3e38, 3e38}`, whose clipping is still right). As in TF,
 //! an infinite norm makes finite elements 0 and infinite ones NaN, and a NaN
 //! norm makes every element NaN. Throws `psx::config_error` unless
 //! `clip_norm` is finite and `> 0`.
@@ -105,7 +107,8 @@ inline float clip_by_norm(std::span<float> g, float clip_norm) {
 }
 
 //! The l2 norm of all tensors together, like `tf.linalg.global_norm`:
-//! `sqrt(sum over tensors of l2norm(t)^2)`, accumulated in double.
+//! `sqrt(sum over tensors of l2norm(t)^2)`, accumulated in double (+inf
+//! when it is above FLT_MAX).
 inline float global_norm(std::span<const std::span<const float>> grads) noexcept {
   double sum = 0.0;
   for (const auto g : grads) sum += detail::sum_of_squares(g);
@@ -119,7 +122,8 @@ inline float global_norm(std::initializer_list<std::span<const float>> grads) no
 //! Rescales every tensor of `grads` by `clip_norm / max(global_norm, clip_norm)`,
 //! like `tf.clip_by_global_norm` (Pascanu et al., 2013): nothing changes when
 //! the global norm is `<= clip_norm`. Returns the global norm before
-//! clipping. As in TF, when the global norm is infinite or NaN every element
+//! clipping (in double; the float returned is +inf above FLT_MAX, while the
+//! clipping is right). As in TF, when the global norm is infinite or NaN every element
 //! of every tensor becomes NaN, to signal the error. Throws
 //! `psx::config_error` unless `clip_norm` is finite and `> 0`.
 inline float clip_by_global_norm(std::span<const std::span<float>> grads, float clip_norm) {
@@ -326,13 +330,28 @@ class GradientPipeline {
   // anything of the micro-batch is accumulated.
   void check(Worker& w, std::span<const PushItem> dense, std::span<const RowsGrad> rows) const {
     for (const PushItem& item : dense)
-      if (!frozen(item.name)) check_dense(w.variable(item.name), item.grad.size());
+      if (!frozen(item.name)) check_dense(variable(w, item.name), item.grad.size());
     for (const RowsGrad& r : rows)
-      if (!frozen(r.name)) check_rows(w.variable(r.name), r);
+      if (!frozen(r.name)) check_rows(variable(w, r.name), r);
+  }
+
+  // The worker's unknown_variable, saying which micro-batch and that nothing was accumulated.
+  const VariableInfo& variable(Worker& w, std::string_view name) const {
+    try {
+      return w.variable(name);
+    } catch (const unknown_variable& e) {
+      std::string_view what = e.what();
+      if (what.starts_with("psx: ")) what.remove_prefix(5);
+      throw unknown_variable(where() + std::string(what) + std::string(unchanged));
+    }
   }
 
   void check_dense(const VariableInfo& v, std::size_t got) const {
     check_trainable(v);
+    if (v.meta.kind == VariableKind::dynamic)
+      throw shape_error(where() + "a dense gradient for '" + v.meta.name +
+                        "', a dynamic table: it has no whole value; give its rows by id (RowsGrad)" +
+                        std::string(unchanged));
     if (got == v.meta.size()) return;
     const DenseSum* acc = find(dense_, dense_index_, v.meta.name);
     const std::string expected = acc && acc->active ? "the one accumulated so far has " : "the variable has ";
@@ -349,6 +368,7 @@ class GradientPipeline {
                         std::to_string(width) + (r.ids.size() == 1 ? ") needs " : ") need ") +
                         detail::floats(r.ids.size() * width) +
                         ", the gradient has " + detail::floats(r.grads.size()) + std::string(unchanged));
+    if (v.meta.kind == VariableKind::dynamic) return;  // any 64-bit id
     for (std::size_t j = 0; j < r.ids.size(); ++j)
       if (r.ids[j] >= v.meta.rows)
         throw row_out_of_range(where() + "row id " + std::to_string(r.ids[j]) + " at position " +

@@ -412,7 +412,9 @@ TEST_CASE("gradients: a bad micro-batch raises a typed error naming the variable
         "psx: GradientPipeline: micro-batch 2 of 3: a gradient for 'fixed', which the servers hold frozen "
         "(trainable = false); freeze(\"fixed\") drops it in the pipeline; nothing of this micro-batch was "
         "accumulated");
-  CHECK_THROWS_AS(pipe.push(w, {{"a", a_bad}, {"nope", b1}}), psx::unknown_variable);
+  CHECK(message_of<psx::unknown_variable>([&] { pipe.push(w, {{"a", a_bad}, {"nope", b1}}); }) ==
+        "psx: GradientPipeline: micro-batch 2 of 3: worker 0: lookup of unknown variable 'nope' (declared: a, b, "
+        "emb, fixed); nothing of this micro-batch was accumulated");
   CHECK(pipe.pending() == 1);
 
   const Floats a2{0.0f, 3.0f}, zero2{0.0f, 0.0f}, zero1{0.0f};
@@ -430,6 +432,32 @@ TEST_CASE("gradients: a bad micro-batch raises a typed error naming the variable
   CHECK(message_of<psx::shape_error>([&] { fresh.push(w, {{"a", three}}); }) ==
         "psx: GradientPipeline: micro-batch 1 of 1: the gradient of 'a' has 3 floats, the variable has 2 floats "
         "(shape [2]); nothing of this micro-batch was accumulated");
+}
+
+TEST_CASE("gradients: a dynamic table's rows go through the pipeline by any 64-bit id; a dense gradient for it is refused") {
+  Watchdog dog("dynamic table");
+  Fixture f;
+  f.ps.declare(psx::embedding("tab", 2, psx::Initializer::zeros()));
+  f.ps.declare(psx::dense("a", {1}));
+  auto w = f.ps.worker(0);
+  psx::GradientPipeline pipe;
+  pipe.accumulate(2);
+  constexpr std::uint64_t top = std::numeric_limits<std::uint64_t>::max();
+  const std::vector<std::uint64_t> ids1{top, 12345}, ids2{12345};
+  const Floats rows1{2, 2, 4, 4}, rows2{6, 6}, g{1.0f};
+  CHECK_FALSE(pipe.push(w, {{"a", g}}, {{"tab", ids1, rows1}}));
+  // The whole table as a dense gradient: the worker would refuse it at the push.
+  CHECK(message_of<psx::shape_error>([&] { pipe.push(w, {{"a", g}, {"tab", g}}); }) ==
+        "psx: GradientPipeline: micro-batch 2 of 2: a dense gradient for 'tab', a dynamic table: it has no whole "
+        "value; give its rows by id (RowsGrad); nothing of this micro-batch was accumulated");
+  CHECK(pipe.pending() == 1);
+  CHECK(pipe.push(w, {{"a", g}}, {{"tab", ids2, rows2}}));  // the mean of the two
+  w.step();
+  const std::vector<std::uint64_t> look{top, 12345, 7};
+  Floats rows(6);
+  w.pull_rows("tab", look, rows);
+  CHECK(rows == Floats{-1, -1, -5, -5, 0, 0});
+  CHECK(pulled(w, "a") == Floats{-1.0f});
 }
 
 TEST_CASE("gradients: reset() drops the accumulated micro-batches; a failed push drops them too") {
