@@ -23,6 +23,7 @@
 
 #include <psx/concepts.hpp>
 #include <psx/errors.hpp>
+#include <psx/schedule.hpp>
 #include <psx/sync.hpp>
 #include <psx/variable.hpp>
 
@@ -94,7 +95,7 @@ struct Pruned {
   std::size_t slots() const noexcept { return optimizer.slots() + 1; }
   float initial_slot(std::size_t k) const { return k < optimizer.slots() ? psx::initial_slot(optimizer, k) : 1.0f; }
   void validate(const VariableMeta& v, std::size_t shards) const {
-    schedule.validate();
+    ::psx::detail::validate_for(v, [&] { schedule.validate(); });
     validate_optimizer(optimizer, v, shards);
   }
 

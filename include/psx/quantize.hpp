@@ -4,19 +4,24 @@
 //! pulls. This is the reference the device kernels (`psx/cuda/convert.cuh`)
 //! are tested against, bit for bit:
 //!
-//!     scale = max|x| / 127           (float division; 1 when the max is 0)
+//!     scale = max(max|x| / 127, FLT_MIN)   (float division; 1 when the max is 0)
 //!     q     = clamp(nearbyint(x / scale), -127, 127)
 //!     x'    = q * scale
 //!
 //! `nearbyint` rounds ties to even (the default rounding mode). The max
 //! ignores NaN (as `std::fmax` does) and a NaN quantizes to 0; an infinity
-//! makes the scale infinite. -128 is never produced, so the range is
-//! symmetric.
+//! makes the scale infinite, and so every element of its tensor (or row)
+//! dequantizes to NaN (0 x inf), finite ones included. FLT_MIN keeps the
+//! scale a normal float when the max is tiny (below 127 x FLT_MIN, where
+//! max / 127 would lose bits or round to 0): such values, subnormal or
+//! nearly, quantize to multiples of FLT_MIN. -128 is never produced, so
+//! the range is symmetric.
 #pragma once
 
 #include <psx/errors.hpp>
 
 #include <algorithm>
+#include <cfloat>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -42,7 +47,7 @@ namespace detail {
 inline float int8_scale(std::span<const float> x) noexcept {
   float m = 0.0f;
   for (float v : x) m = std::fmax(m, std::fabs(v));
-  return m > 0.0f ? m / 127.0f : 1.0f;
+  return m > 0.0f ? std::fmax(m / 127.0f, FLT_MIN) : 1.0f;
 }
 
 inline std::int8_t quantize_int8_one(float x, float scale) noexcept {
@@ -57,7 +62,7 @@ inline std::int8_t quantize_int8_one(float x, float scale) noexcept {
 //! tensor or, `per_channel`, one per row. Throws psx::shape_error when `x`
 //! does not hold `rows * width` values.
 inline QuantizedInt8 quantize_int8(std::span<const float> x, std::size_t rows, std::size_t width, bool per_channel) {
-  if (width != 0 && rows > x.size() / width)
+  if ((width != 0 && rows > x.size() / width) || (width == 0 && per_channel && rows > x.size()))
     throw shape_error("psx::quantize_int8: a " + std::to_string(rows) + " x " + std::to_string(width) +
                       " tensor needs more than the " + std::to_string(x.size()) + " values given");
   if (rows * width != x.size())

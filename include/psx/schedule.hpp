@@ -11,6 +11,7 @@
 
 #include <psx/concepts.hpp>
 #include <psx/errors.hpp>
+#include <psx/variable.hpp>
 
 #include <algorithm>
 #include <cmath>
@@ -18,6 +19,7 @@
 #include <cstdint>
 #include <numbers>
 #include <ostream>
+#include <sstream>
 #include <span>
 #include <string>
 #include <utility>
@@ -32,7 +34,38 @@ concept Schedule = std::copy_constructible<S> && requires(const S& s, std::uint6
   { s(t) } -> std::convertible_to<double>;
 };
 
+namespace detail {
+
+// A schedule's setting in a message, as printed (6 significant digits, "inf", "nan").
+inline std::string setting(double x) {
+  std::ostringstream os;
+  os << x;
+  return os.str();
+}
+
+// Runs `validate` (a schedule's or a pruning schedule's), naming variable `v`
+// in a config_error it throws: "psx: schedule::Cosine needs ..." becomes
+// "psx: schedule::Cosine for 'w': needs ...".
+template <class F>
+void validate_for(const VariableMeta& v, F&& validate) {
+  try {
+    validate();
+  } catch (const config_error& e) {
+    std::string what = e.what();
+    const std::size_t name_end = what.find(' ', 5);
+    if (what.rfind("psx: ", 0) != 0 || name_end == std::string::npos) throw;
+    what.insert(name_end, " for '" + v.name + "':");
+    throw config_error(what);
+  }
+}
+
+}  // namespace detail
+
 namespace schedule {
+
+// Every setting of a schedule must be a finite number (validate(), at
+// declare): an infinite or NaN one would turn the factor on `lr` into NaN
+// or infinity, and a negative factor training into gradient ascent.
 
 //! Factor 1 at every step.
 struct Constant {
@@ -53,8 +86,9 @@ struct Exponential {
     return std::pow(decay_rate, staircase ? std::floor(p) : p);
   }
   void validate() const {
-    if (decay_steps == 0 || !(decay_rate > 0.0))
-      throw config_error("psx: schedule::Exponential needs decay_steps >= 1 and decay_rate > 0");
+    if (decay_steps == 0 || !(decay_rate > 0.0) || std::isinf(decay_rate))
+      throw config_error("psx: schedule::Exponential needs decay_steps >= 1 and a finite decay_rate > 0, got " +
+                         std::to_string(decay_steps) + " and " + detail::setting(decay_rate));
   }
   friend bool operator==(const Exponential&, const Exponential&) = default;
   friend std::ostream& operator<<(std::ostream& os, const Exponential& s) {
@@ -76,8 +110,10 @@ struct Polynomial {
     return (1.0 - end) * std::pow(1.0 - s, power) + end;
   }
   void validate() const {
-    if (decay_steps == 0 || !(power > 0.0) || !(end >= 0.0))
-      throw config_error("psx: schedule::Polynomial needs decay_steps >= 1, power > 0 and end >= 0");
+    if (decay_steps == 0 || !(power > 0.0) || std::isinf(power) || !(end >= 0.0) || std::isinf(end))
+      throw config_error("psx: schedule::Polynomial needs decay_steps >= 1, a finite power > 0 and a finite end >= 0, "
+                         "got " + std::to_string(decay_steps) + ", " + detail::setting(power) + " and " +
+                         detail::setting(end));
   }
   friend bool operator==(const Polynomial&, const Polynomial&) = default;
   friend std::ostream& operator<<(std::ostream& os, const Polynomial& s) {
@@ -104,7 +140,11 @@ struct Piecewise {
                          std::to_string(boundaries.size()) + " boundaries, " + std::to_string(values.size()) +
                          " values)");
     if (std::adjacent_find(boundaries.begin(), boundaries.end(), std::greater_equal<>()) != boundaries.end())
-      throw config_error("psx: schedule::Piecewise: boundaries must increase strictly");
+      throw config_error("psx: schedule::Piecewise needs strictly increasing boundaries");
+    for (std::size_t i = 0; i < values.size(); ++i)
+      if (!(values[i] >= 0.0) || std::isinf(values[i]))
+        throw config_error("psx: schedule::Piecewise needs finite values >= 0, got value " + std::to_string(i) +
+                           " = " + detail::setting(values[i]));
   }
   friend bool operator==(const Piecewise&, const Piecewise&) = default;
   friend std::ostream& operator<<(std::ostream& os, const Piecewise& s) {
@@ -128,8 +168,9 @@ struct Cosine {
     return (1.0 - alpha) * c + alpha;
   }
   void validate() const {
-    if (decay_steps == 0 || !(alpha >= 0.0))
-      throw config_error("psx: schedule::Cosine needs decay_steps >= 1 and alpha >= 0");
+    if (decay_steps == 0 || !(alpha >= 0.0) || std::isinf(alpha))
+      throw config_error("psx: schedule::Cosine needs decay_steps >= 1 and a finite alpha >= 0, got " +
+                         std::to_string(decay_steps) + " and " + detail::setting(alpha));
   }
   friend bool operator==(const Cosine&, const Cosine&) = default;
   friend std::ostream& operator<<(std::ostream& os, const Cosine& s) {
@@ -173,7 +214,7 @@ struct Scheduled {
   std::size_t slots() const noexcept { return optimizer.slots(); }
   float initial_slot(std::size_t k) const { return psx::initial_slot(optimizer, k); }
   void validate(const VariableMeta& v, std::size_t shards) const {
-    if constexpr (requires { schedule.validate(); }) schedule.validate();
+    if constexpr (requires { schedule.validate(); }) ::psx::detail::validate_for(v, [&] { schedule.validate(); });
     validate_optimizer(optimizer, v, shards);
   }
 

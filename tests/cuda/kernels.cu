@@ -672,6 +672,10 @@ TEST_CASE("cuda: int8 quantization equals psx::quantize_int8") {
   CHECK(std::vector<int>(q.values.begin(), q.values.end()) == std::vector<int>{127, 0, 2, 2, 0, -2, 126, -127});
   const std::vector<float> zeros_and_nan{0.0f, 0.0f, 0.0f, 1.0f, std::nanf(""), -2.0f};
   check_int8(zeros_and_nan, 2, 3, true, 0, "int8 zeros and NaN");
+  // A max below 127 x FLT_MIN (subnormal, or nearly): the scale stays FLT_MIN.
+  const std::vector<float> tiny{5.04e-44f, -2.0e-44f, 0.0f, 1.0e-37f, -3.0e-38f, 1.5e-45f};
+  check_int8(tiny, 2, 3, true, 0, "int8 tiny");
+  check_int8(tiny, 2, 3, false, 0, "int8 tiny, per tensor");
   CHECK_THROWS_AS(psx::quantize_int8(ties, 3, 3, false), psx::shape_error);
 }
 

@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <bit>
+#include <cfloat>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -269,7 +270,7 @@ TEST_CASE("optim: Scheduled scales the learning rate at the update's global step
                                psx::optim::Scheduled<psx::optim::SGD, psx::schedule::Piecewise>>
               ps({1, 1}, {}, {}, {psx::optim::SGD{}, psx::schedule::Piecewise{{10, 5}, {1.0, 0.1, 0.01}}});
           ps.declare(psx::dense("x", {2}));
-        }) == "psx: schedule::Piecewise: boundaries must increase strictly");
+        }) == "psx: schedule::Piecewise for 'x': needs strictly increasing boundaries");
   CHECK(message_of<psx::config_error>([] { psx::schedule::Piecewise{{10}, {1.0}}.validate(); }) ==
         "psx: schedule::Piecewise needs one value more than boundaries (got 1 boundaries, 1 values)");
 }
@@ -442,14 +443,31 @@ TEST_CASE("optim: hyper-parameters are checked at declare, as PyTorch's construc
   CHECK(refused(psx::optim::Lamb{.beta1 = 1.5}) == "psx: optim::Lamb for 'w': needs beta1 and beta2 in [0, 1)");
   // Schedules, also inside a Warmup.
   CHECK(refused(psx::optim::scheduled(psx::optim::SGD{0.1}, psx::schedule::Polynomial{.decay_steps = 0})) ==
-        "psx: schedule::Polynomial needs decay_steps >= 1, power > 0 and end >= 0");
+        "psx: schedule::Polynomial for 'w': needs decay_steps >= 1, a finite power > 0 and a finite end >= 0, got 0, "
+        "1 and 0.0001");
   CHECK(refused(psx::optim::scheduled(psx::optim::SGD{0.1}, psx::schedule::Exponential{.decay_steps = 0})) ==
-        "psx: schedule::Exponential needs decay_steps >= 1 and decay_rate > 0");
+        "psx: schedule::Exponential for 'w': needs decay_steps >= 1 and a finite decay_rate > 0, got 0 and 0.96");
   CHECK(refused(psx::optim::scheduled(psx::optim::SGD{0.1}, psx::schedule::Cosine{.decay_steps = 0})) ==
-        "psx: schedule::Cosine needs decay_steps >= 1 and alpha >= 0");
+        "psx: schedule::Cosine for 'w': needs decay_steps >= 1 and a finite alpha >= 0, got 0 and 0");
   CHECK(refused(psx::optim::scheduled(psx::optim::SGD{0.1},
                                       psx::schedule::Warmup<psx::schedule::Piecewise>{10, {{5}, {}}})) ==
-        "psx: schedule::Piecewise needs one value more than boundaries (got 1 boundaries, 0 values)");
+        "psx: schedule::Piecewise for 'w': needs one value more than boundaries (got 1 boundaries, 0 values)");
+  // Infinite, NaN or negative settings: a factor of NaN or infinity, or gradient ascent.
+  constexpr double inf = std::numeric_limits<double>::infinity(), nan = std::numeric_limits<double>::quiet_NaN();
+  CHECK(refused(psx::optim::scheduled(psx::optim::SGD{0.1}, psx::schedule::Exponential{.decay_rate = inf})) ==
+        "psx: schedule::Exponential for 'w': needs decay_steps >= 1 and a finite decay_rate > 0, got 1 and inf");
+  CHECK(refused(psx::optim::scheduled(psx::optim::SGD{0.1}, psx::schedule::Cosine{.alpha = inf})) ==
+        "psx: schedule::Cosine for 'w': needs decay_steps >= 1 and a finite alpha >= 0, got 1 and inf");
+  CHECK(refused(psx::optim::scheduled(psx::optim::SGD{0.1}, psx::schedule::Polynomial{.power = nan})) ==
+        "psx: schedule::Polynomial for 'w': needs decay_steps >= 1, a finite power > 0 and a finite end >= 0, got 1, "
+        "nan and 0.0001");
+  CHECK(refused(psx::optim::scheduled(psx::optim::SGD{0.1}, psx::schedule::Piecewise{{5}, {1.0, -1.0}})) ==
+        "psx: schedule::Piecewise for 'w': needs finite values >= 0, got value 1 = -1");
+  CHECK(refused(psx::optim::scheduled(psx::optim::SGD{0.1}, psx::schedule::Piecewise{{5}, {nan, 1.0}})) ==
+        "psx: schedule::Piecewise for 'w': needs finite values >= 0, got value 0 = nan");
+  CHECK(refused(psx::optim::Pruned<psx::optim::SGD>{.schedule = {.final_sparsity = 1.0}}) ==
+        "psx: PolynomialDecaySparsity for 'w': needs 0 <= initial_sparsity <= final_sparsity < 1, got 0.000000 and "
+        "1.000000");
   CHECK(psx::schedule::Piecewise{{5}, {}}(3) == 1.0);  // never reads out of bounds
 }
 
@@ -676,6 +694,27 @@ TEST_CASE("quantize: int8 symmetric per tensor and per channel, against hand-com
         "psx::quantize_int8: a 1 x 4 tensor has 4 values, 6 given");
   std::vector<float> small(5);
   CHECK_THROWS_AS(psx::dequantize(c, small), psx::shape_error);
+  CHECK(message_of<psx::shape_error>([&] { (void)psx::quantize_int8({}, SIZE_MAX, 0, true); }) ==
+        "psx::quantize_int8: a 18446744073709551615 x 0 tensor needs more than the 0 values given");
+  // A max below 127 x FLT_MIN: max / 127 would lose bits (or be 0), so the
+  // scale stays FLT_MIN and the values become exact multiples of it.
+  const std::vector<float> tiny{5.04e-44f, -2.0e-44f, 0.0f, 1.0e-30f, -3.0e-31f, 0.0f};
+  const psx::QuantizedInt8 sq = psx::quantize_int8(tiny, 2, 3, true);
+  CHECK(sq.scales[0] == FLT_MIN);
+  CHECK(sq.scales[1] == 1.0e-30f / 127.0f);  // a normal scale: as before
+  std::vector<float> tiny_back(6);
+  psx::dequantize(sq, tiny_back);
+  CHECK(tiny_back[0] == 0.0f);  // 5.04e-44 is under half of FLT_MIN
+  CHECK(tiny_back[2] == 0.0f);
+  CHECK(std::abs(tiny_back[3] - tiny[3]) <= sq.scales[1] / 2);
+  CHECK(std::abs(tiny_back[4] - tiny[4]) <= sq.scales[1] / 2);
+  const std::vector<float> subnormal_rows{1.0e-38f, -6.0e-39f};
+  const psx::QuantizedInt8 n = psx::quantize_int8(subnormal_rows, 1, 2, false);
+  CHECK(n.scales[0] == FLT_MIN);
+  CHECK(std::vector<int>(n.values.begin(), n.values.end()) == std::vector<int>{1, -1});  // 0.85 and 0.51 of FLT_MIN
+  std::vector<float> n_back(2);
+  psx::dequantize(n, n_back);
+  CHECK(n_back == std::vector<float>{FLT_MIN, -FLT_MIN});
 }
 
 }  // namespace

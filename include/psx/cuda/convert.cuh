@@ -14,6 +14,7 @@
 #include <cub/block/block_reduce.cuh>
 #include <cuda_runtime.h>
 
+#include <cfloat>
 #include <cstddef>
 #include <cstdint>
 
@@ -120,7 +121,9 @@ __device__ __forceinline__ std::int8_t quantize_one(float x, float scale) {
   if (r != r) return 0;
   return static_cast<std::int8_t>(fminf(fmaxf(r, -127.0f), 127.0f));
 }
-__device__ __forceinline__ float scale_of(float max_abs) { return max_abs > 0.0f ? fp::div(max_abs, 127.0f) : 1.0f; }
+__device__ __forceinline__ float scale_of(float max_abs) {
+  return max_abs > 0.0f ? fmaxf(fp::div(max_abs, 127.0f), FLT_MIN) : 1.0f;
+}
 
 // Per tensor, pass 1: max |x| (NaN ignored, as fmax does) into *max_bits; the
 // values are >= 0, so their bits order as unsigned integers.
@@ -252,7 +255,7 @@ inline void convert(const float16* in, float* out, std::size_t n, cudaStream_t s
 
 //! int8 symmetric quantization of `x` (`rows x width`, row-major), as
 //! `psx::quantize_int8`: one scale (`scales[0]`) or, `per_channel`, one per
-//! row (`scales[0..rows)`), `scale = max|x| / 127` (1 when the max is 0),
+//! row (`scales[0..rows)`), `scale = max(max|x| / 127, FLT_MIN)` (1 when the max is 0),
 //! `q = clamp(nearbyint(x / scale), -127, 127)` with ties to even. Per
 //! tensor takes stream-ordered scratch memory for the max.
 inline void quantize_int8(const float* x, std::size_t rows, std::size_t width, bool per_channel, std::int8_t* q,
