@@ -255,6 +255,18 @@ template <class St>
 concept counts_empty_steps = requires {
   { St::counts_empty_steps } -> std::convertible_to<bool>;
 } && St::counts_empty_steps;
+// The same decided per variable (a state that routes variables to several
+// policies: sync::Hybrid).
+template <class St>
+concept counts_empty_for = requires(const St& st, const VariableMeta& v) {
+  { st.counts_empty(v) } -> std::same_as<bool>;
+};
+// Whether state `st` counts empty steps for variable `v`.
+template <class St>
+bool counts_empty(const St& st, const VariableMeta& v) {
+  if constexpr (counts_empty_for<St>) return st.counts_empty(v);
+  else return counts_empty_steps<St>;
+}
 
 // Optional: delay compensation (DC-ASGD). A state that provides both keeps,
 // per worker, a copy of the parameters it last pulled.
@@ -292,7 +304,8 @@ concept has_compensation = requires(const St& st, const VariableMeta& v, std::sp
 //! that pushed nothing to a shard adds an empty contribution to the first
 //! step of that shard it is not yet in (it counts in `StepProgress` and in
 //! a mean, adds no gradient), for policies that complete steps by counting
-//! contributions (see `sync::SyncReplicas`).
+//! contributions (see `sync::SyncReplicas`); or, decided per variable,
+//! `counts_empty(variable) const -> bool` (see `sync::Hybrid`).
 template <class St>
 concept SyncState = detail::has_on_push<St> && detail::has_may_pull<St> && detail::has_step_complete<St> &&
                     detail::has_finish<St> && detail::has_on_worker_lost<St>;

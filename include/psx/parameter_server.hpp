@@ -301,6 +301,7 @@ class ParameterServer {
     for (std::size_t w : local) {
       workers.emplace_back([&, w] {
         Worker worker(*core_, w);
+        detail::running_worker = {core_.get(), w};
         try {
           fn(worker);
           detail::announce(*core_, w, Op::leave);
@@ -353,7 +354,10 @@ class ParameterServer {
   }
 
   //! The current value of variable `name`, read from its servers without
-  //! waiting for the sync policy (use it between runs, or to watch).
+  //! waiting for the sync policy: between runs, from a worker's function,
+  //! or from a thread of your own watching a run (in a simulated cluster,
+  //! such a thread's read leaves at the simulated time of the first local
+  //! worker, and the thread runs events while it waits, as a worker would).
   std::vector<float> read(std::string_view name) {
     start();
     const VariableInfo& v = variable(name);
@@ -362,7 +366,10 @@ class ParameterServer {
     const std::vector<std::size_t> local = local_workers();
     if (local.empty())
       throw config_error("psx: read('" + v.meta.name + "') in a process without workers; read from a worker");
-    Worker(*core_, local.front()).read_async(std::span<const PullItem>(&item, 1)).wait();
+    const bool own = detail::running_worker.core == core_.get();  // the thread of a worker of this cluster
+    Worker reader(*core_, own ? detail::running_worker.index : local.front());
+    if (!own) reader.waits_as_ = config().num_workers;
+    reader.read_async(std::span<const PullItem>(&item, 1)).wait();
     return out;
   }
 

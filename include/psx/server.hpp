@@ -308,7 +308,9 @@ class Server final : public RequestHandler {
                        std::to_string(r.worker) + " of " + std::to_string(clocks_.size()));
     // Once the policy failed only inspection is served; a worker's leaving
     // or failing is still recorded (a server told to stop waits for that).
-    if (failed() && !inspection && r.op != Op::leave && r.op != Op::fail) throw peer_lost(failure_);
+    if (failed() && !inspection && r.op != Op::leave && r.op != Op::fail)
+      throw peer_lost(failure_ + "; since then this cluster answers reads and stats only (to go on, make a new "
+                                 "ParameterServer and restore a checkpoint)");
     if (failed() && r.op == Op::leave) {
       if (gone_[r.worker] == Gone::no) gone_[r.worker] = Gone::left;
       r.finish();
@@ -781,7 +783,7 @@ class Server final : public RequestHandler {
   // for policies that count contributions (SyncReplicas): otherwise a shard
   // that a worker's step skipped would wait for it (with M = N, for ever).
   void count_empty_steps(std::size_t w) {
-    if constexpr (detail::counts_empty_steps<SyncStateT>) {
+    if constexpr (detail::counts_empty_steps<SyncStateT> || detail::counts_empty_for<SyncStateT>) {
       if (gone_[w] != Gone::no) return;
       for (auto& per_var : shards_)
         for (auto& sp : per_var) {
@@ -789,6 +791,7 @@ class Server final : public RequestHandler {
           ShardState& s = *sp;
           WorkerView& wv = s.workers[w];
           if (std::exchange(wv.pushed_since_clock, false) || !s.var->trainable) continue;
+          if (!detail::counts_empty(sync_, s.var->meta)) continue;
           std::uint64_t step = s.applied_steps;
           for (auto it = s.pending.find(step); it != s.pending.end() && it->second[w].present;
                it = s.pending.find(++step)) {

@@ -150,7 +150,9 @@ static_assert(SyncPolicy<BoundedStaleness<2>>);
 //!
 //! A gradient belongs to the step the worker read (the shard's step count at
 //! its last pull). A shard applies step `t` as soon as M workers have
-//! contributed to it, in worker order, divided by M for `Aggregate::mean`.
+//! contributed to it, in worker order, divided by the number of
+//! contributions for `Aggregate::mean` (M, or fewer when a step completes
+//! with the workers that remain, below).
 //! Gradients that arrive for a step already applied are dropped and counted
 //! (`ServerStats::dropped`), never applied to another step. A worker that
 //! contributed to step `t` reads again once `t` is applied. A lost worker
@@ -318,6 +320,11 @@ struct Hybrid {
     OnWorkerLost on_worker_lost(std::size_t w, const ServerClock& c) const {
       const bool fail = a.on_worker_lost(w, c) == OnWorkerLost::fail || b.on_worker_lost(w, c) == OnWorkerLost::fail;
       return fail ? OnWorkerLost::fail : OnWorkerLost::shrink;
+    }
+    // A SyncReplicas variable needs the empty steps counted, the others must
+    // not have them (they would count in a Synchronous mean).
+    bool counts_empty(const VariableMeta& v) const {
+      return second(v) ? psx::detail::counts_empty(b, v) : psx::detail::counts_empty(a, v);
     }
     bool compensates(const VariableMeta& v) const {
       if (second(v)) {

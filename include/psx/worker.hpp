@@ -107,7 +107,9 @@ class Handle {
       while (!done->wait_for(every_)) heartbeat_();
     done->wait();
   }
-  //! True once the call finished (or for an empty handle).
+  //! True once the call finished (or for an empty handle). Only looks: in a
+  //! simulated cluster (transport::Simulated) time moves while workers
+  //! wait, so a worker polling `ready()` never sees its answer; `wait()`.
   bool ready() const { return !done_ || done_->ready(); }
 
  private:
@@ -127,6 +129,15 @@ class Handle {
 };
 
 namespace detail {
+
+struct ClusterCore;
+// The cluster and worker whose function the calling thread runs in
+// ParameterServer::run (none: another thread).
+struct RunningWorker {
+  const ClusterCore* core = nullptr;
+  std::size_t index = 0;
+};
+inline thread_local RunningWorker running_worker;
 
 // What every worker of a cluster shares: the variables and the way to the servers.
 struct ClusterCore {
@@ -429,8 +440,8 @@ class Worker {
   Handle handle(std::shared_ptr<Completion> done) const {
     const auto timeout = core_->config.peer_timeout;
     Handle::Waiter waiter;
-    if (core_->await) waiter = [core = core_, index = index_](Completion& c) { core->await(index, c); };
-    if (timeout.count() <= 0) return Handle(std::move(done), std::move(waiter));
+    if (core_->await) waiter = [core = core_, index = waits_as_](Completion& c) { core->await(index, c); };
+    if (timeout.count() <= 0 || waits_as_ != index_) return Handle(std::move(done), std::move(waiter));
     return Handle(std::move(done), std::move(waiter),
                   [core = core_, index = index_] { detail::announce(*core, index, Op::heartbeat); },
                   std::max<std::chrono::milliseconds>(timeout / 4, std::chrono::milliseconds(1)));
@@ -494,10 +505,14 @@ class Worker {
 
   std::vector<Request> requests(Op op) const {
     std::vector<Request> per_server(num_servers());
+    // An inspection carries no clock: it may come from a thread that is
+    // not the worker's (ParameterServer::read), which must not read the
+    // worker's clock while the worker's thread steps it.
+    const bool inspection = op == Op::read || op == Op::stats;
     for (Request& r : per_server) {
       r.op = op;
       r.worker = static_cast<std::uint32_t>(index_);
-      r.clock = clock();
+      r.clock = inspection ? 0 : clock();
     }
     return per_server;
   }
@@ -652,6 +667,11 @@ class Worker {
 
   detail::ClusterCore* core_;
   std::size_t index_;
+  // Who waits for the answers: the worker itself, or (num_workers) another
+  // thread that reads through it (ParameterServer::read watching a run),
+  // which neither stands in for the worker in a simulated cluster nor
+  // sends heartbeats in its name.
+  std::size_t waits_as_ = index_;
   bool blocking_ = false;  // within blocking(): the requests dispatched are waited for at once
 };
 

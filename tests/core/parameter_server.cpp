@@ -796,6 +796,13 @@ TEST_CASE("a worker that throws under Synchronous fails the others with peer_los
     }
   }), "boom", std::runtime_error);
   CHECK(lost.load() == 3);
+  // The failure is final for this cluster: a second run is told why, and
+  // reads are still answered.
+  const std::string again = psx_test::message_of<psx::peer_lost>([&] { ps.run([](psx::Worker&) {}); });
+  CHECK(again.find("worker 2 was lost (its function threw: boom)") != std::string::npos);
+  CHECK(again.find("since then this cluster answers reads and stats only (to go on, make a new ParameterServer and "
+                   "restore a checkpoint)") != std::string::npos);
+  CHECK(ps.read("x").size() == 4);
 }
 
 TEST_CASE("shutdown releases a worker blocked in a pull") {
@@ -845,6 +852,43 @@ TEST_CASE("peer_timeout is checked") {
   CHECK_THROWS_AS((psx::ParameterServer<>({.num_servers = 1, .num_workers = 1,
                                            .peer_timeout = std::chrono::milliseconds(-1)})),
                   psx::config_error);
+}
+
+TEST_CASE("read() watches a running cluster from another thread, and from a worker's function") {
+  // The watcher's read must not touch worker 0's clock, which worker 0's
+  // thread steps meanwhile (ThreadSanitizer saw that race).
+  Watchdog dog("read while running");
+  psx::ParameterServer<psx::partition::RoundRobin, psx::sync::Synchronous, psx::optim::SGD> ps({2, 3}, {}, {},
+                                                                                              {0.5f});
+  ps.declare(psx::dense("v", {8}, psx::Initializer::zeros()));
+  std::atomic<bool> done{false};
+  std::atomic<int> reads{0};
+  std::thread watcher([&] {
+    float last = 0;
+    while (!done) {
+      const float now = ps.read("v")[0];
+      CHECK(now <= last);  // steps only ever lower it
+      last = now;
+      ++reads;
+    }
+  });
+  std::vector<float> seen;
+  ps.run([&](psx::Worker& w) {
+    std::vector<float> v(8);
+    const std::vector<float> g(8, 1.0f);
+    for (std::size_t t = 0; t < 50; ++t) {
+      w.pull("v", v);
+      if (w.index() == 1 && t == 20) seen = ps.read("v");
+      w.push("v", g);
+      w.step();
+    }
+  });
+  done = true;
+  watcher.join();
+  CHECK(reads > 0);
+  REQUIRE(seen.size() == 8);
+  CHECK(seen[0] == -10.0f);  // 20 steps of 0.5 x the mean gradient, 1
+  CHECK(ps.read("v")[0] == -25.0f);
 }
 
 TEST_CASE("workers on threads of one's own leave explicitly") {

@@ -6,12 +6,14 @@
 
 #include <psx/psx.hpp>
 
+#include <atomic>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <random>
 #include <span>
 #include <string>
+#include <thread>
 #include <vector>
 
 using psx_test::message_of;
@@ -300,4 +302,53 @@ TEST_CASE("the docs/studies.md example: 64 workers under SSP in simulated time")
   CHECK(sim.timeline->now() < 20 * 4 * 5e-3);  // SSP absorbs most straggler steps
   for (std::size_t k = 0; k < 64; ++k) CHECK(sim.timeline->worker(k).steps == 20);
   CHECK(ps.read("w")[1] > 0.0f);  // moved towards 1
+}
+
+TEST_CASE("ParameterServer::read from a worker's function, and from a thread watching the run, in simulated time") {
+  // A worker's own read waits as that worker (as worker 0 it would wait
+  // for an answer only its own thread could let run: the run hung). A
+  // watcher's read waits as a thread of its own (standing in for worker 0
+  // it let events run before that worker's clock: time went backwards).
+  Watchdog dog("reads during a simulated run");
+  const psx::transport::Simulated sim{.network = {.latency = 1e-5, .bandwidth = 1e9},
+                                      .compute = {.step_seconds = 1e-3, .jitter = 0.5}};
+  SimBsp ps({2, 3}, {}, {}, psx::optim::SGD{.lr = kLr}, sim);
+  ps.declare(psx::dense("v", {16}, psx::Initializer::zeros()));
+  std::atomic<bool> done{false};
+  std::atomic<int> backwards{0}, watched{0};
+  std::thread clock_watch([&] {
+    double last = 0;
+    while (!done) {
+      const double now = sim.timeline->now();
+      if (now < last) ++backwards;
+      last = now;
+    }
+  });
+  std::thread watcher([&] {
+    while (!done) {
+      const std::vector<float> v = ps.read("v");
+      CHECK(v.size() == 16);
+      ++watched;
+    }
+  });
+  std::vector<float> seen;
+  ps.run([&](psx::Worker& w) {
+    std::vector<float> v(16);
+    const std::vector<float> g(16, 1.0f);
+    for (std::size_t t = 0; t < 40; ++t) {
+      w.pull("v", v);
+      if (w.index() == 2 && t == 30) seen = ps.read("v");  // worker 2, as an evaluator would
+      w.push("v", g);
+      w.step();
+    }
+  });
+  done = true;
+  clock_watch.join();
+  watcher.join();
+  CHECK(backwards == 0);
+  CHECK(watched > 0);
+  // Under BSP worker 2 read after 30 steps were applied: -30 * 3 * lr / 3 each.
+  REQUIRE(seen.size() == 16);
+  for (const float x : seen) CHECK(x == doctest::Approx(-30 * kLr));
+  CHECK(ps.read("v")[0] == doctest::Approx(-40 * kLr));
 }

@@ -179,6 +179,42 @@ TEST_CASE_TEMPLATE("SyncReplicas<N>: a step that skips a shard counts there as a
   CHECK(st.dropped == 0);
 }
 
+TEST_CASE_TEMPLATE("Hybrid: its SyncReplicas variables count skipped steps as empty, its Synchronous ones do not", T,
+                   psx::transport::InProcess, psx::transport::Simulated) {
+  // The skipped-shard case above, with "t" under SyncReplicas<3> inside a
+  // Hybrid (which once did not pass the empty contributions on: a hang),
+  // and "u", the same pushes under Synchronous, which must end as in a
+  // cluster of Synchronous alone (an empty contribution there would count
+  // in its mean).
+  Watchdog dog("hybrid skipped shard");
+  auto train = [](psx::Worker& w) {
+    const std::vector<std::uint64_t> mine{3 * w.index() + 1};
+    std::vector<float> row(1), g{1.0f};
+    for (int t = 0; t < 6; ++t) {
+      w.pull_rows("t", mine, row);
+      w.pull_rows("u", mine, row);
+      w.push_rows("t", mine, g);
+      w.push_rows("u", mine, g);
+      w.step();
+    }
+  };
+  auto declare = [](auto& ps) {
+    ps.declare(psx::sparse("t", 9, 1, psx::Initializer::constant(10.0f)));
+    ps.declare(psx::sparse("u", 9, 1, psx::Initializer::constant(10.0f)));
+  };
+  using Hybrid = psx::sync::Hybrid<psx::sync::Synchronous, psx::sync::SyncReplicas<3>>;
+  psx::ParameterServer<psx::partition::RowRange, Hybrid, psx::optim::SGD, T> ps({3, 3}, {}, Hybrid{.second_names = {"t"}},
+                                                                              {1.5f});
+  declare(ps);
+  ps.run(train);
+  CHECK(ps.read("t") == std::vector<float>{10, 7, 10, 10, 7, 10, 10, 7, 10});
+  psx::ParameterServer<psx::partition::RowRange, psx::sync::Synchronous, psx::optim::SGD, T> alone({3, 3}, {}, {},
+                                                                                                   {1.5f});
+  declare(alone);
+  alone.run(train);
+  CHECK(ps.read("u") == alone.read("u"));
+}
+
 TEST_CASE("SyncReplicas never applies a gradient that arrives after its step") {
   Watchdog dog("syncreplicas late");
   constexpr int kSteps = 12;
