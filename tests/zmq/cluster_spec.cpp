@@ -225,6 +225,13 @@ TEST_CASE("cluster_spec: malformed JSON and a root that is not an object") {
   CHECK(error_of(R"(["c:1"])") ==
         "psx: TF_CONFIG: expected a JSON object {\"cluster\": {...}, \"task\": {...}}, got an array");
   CHECK(error_of("42") == "psx: TF_CONFIG: expected a JSON object {\"cluster\": {...}, \"task\": {...}}, got a number");
+  // Nesting of any depth is parsed without recursion (a million '[' once
+  // overflowed the stack), then refused like any other root.
+  const std::size_t depth = 1'000'000;
+  CHECK(error_of(std::string(depth, '[') + std::string(depth, ']')) ==
+        "psx: TF_CONFIG: expected a JSON object {\"cluster\": {...}, \"task\": {...}}, got an array");
+  CHECK(error_of(std::string(depth, '[')) ==
+        "psx: TF_CONFIG: invalid JSON at offset " + std::to_string(depth) + ": Invalid value.");
 }
 
 TEST_CASE("cluster_spec: the cluster object and its jobs") {
@@ -297,12 +304,28 @@ TEST_CASE("cluster_spec: addresses") {
         "\"[::1]:5555\"" +
             expected);
   CHECK(ps(R"("a b:80")") ==
-        "psx: TF_CONFIG: cluster.ps[0]: bad address \"a b:80\": the host \"a b\" contains a space or a '/'" + expected);
+        "psx: TF_CONFIG: cluster.ps[0]: bad address \"a b:80\": the host contains a space, a control character or a "
+        "'/'" + expected);
+  CHECK(ps(R"("b\u0000c:2")") ==
+        "psx: TF_CONFIG: cluster.ps[0]: bad address \"b\\x00c:2\": the host contains a space, a control character "
+        "or a '/'" + expected);
+  CHECK(ps(R"("*:2")") ==
+        "psx: TF_CONFIG: cluster.ps[0]: bad address \"*:2\": the host is \"*\" (every interface): a cluster address "
+        "names the interface the server binds, which its workers connect to" + expected);
+  for (const char* bracketed : {"[]:5", "[abc:5", "abc]:5", "[a b]:5", "[1.2.3.4]:5"})
+    CHECK(ps("\"" + std::string(bracketed) + "\"") ==
+          "psx: TF_CONFIG: cluster.ps[0]: bad address \"" + std::string(bracketed) + "\": " +
+              (std::string_view(bracketed) == "[a b]:5"
+                   ? "the host contains a space, a control character or a '/'"
+                   : "the host \"" + std::string(bracketed).substr(0, std::string(bracketed).rfind(':')) +
+                         "\" is not a bracketed IPv6 address such as \"[::1]\"") +
+              expected);
 
   // Valid forms.
   const TfConfig ok =
-      TfConfig::parse(with_cluster(R"({"chief": ["c:1"], "ps": ["tcp://p:2", "ipc:///tmp/x", "[::1]:3", "p:004"]})"));
-  CHECK(ok.cluster.ps.size() == 4);
+      TfConfig::parse(with_cluster(R"({"chief": ["c:1"], "ps": ["tcp://p:2", "ipc:///tmp/x", "[::1]:3", "p:004",
+                                   "[fe80::1%eth0]:4", "[::ffff:127.0.0.1]:5"]})"));
+  CHECK(ok.cluster.ps.size() == 6);
 }
 
 TEST_CASE("cluster_spec: an address used twice is refused, except port 0") {
@@ -340,6 +363,9 @@ TEST_CASE("cluster_spec: the task") {
   CHECK(error_of(with_task(R"({"type": "worker", "index": -1})")) == "psx: TF_CONFIG: task.index: -1 is negative");
   CHECK(error_of(with_task(R"({"type": "worker", "index": 1.5})")) ==
         "psx: TF_CONFIG: task.index: expected a non-negative integer, got a non-integer number");
+  for (const char* huge : {"18446744073709551616", "1e30", "-1e30"})
+    CHECK(error_of(with_task(R"({"type": "worker", "index": )" + std::string(huge) + "}")) ==
+          "psx: TF_CONFIG: task.index: expected a non-negative integer, got a number beyond 64 bits");
   CHECK(error_of(with_task(R"({"type": "worker", "index": "1"})")) ==
         "psx: TF_CONFIG: task.index: expected a non-negative integer, got a string");
   CHECK(error_of(with_task(R"({"type": "worker", "index": 2})")) ==

@@ -150,6 +150,29 @@ TEST_CASE("zmq: the same over ipc, with tensors split into 1000-byte chunks") {
   const auto zmq = run_tasks(2, 3, true, [](Zmq& z) { z.chunk_bytes = 1000; });
   check_bit_identical(zmq, run_inprocess(2, 3));
 }
+TEST_CASE("zmq: the same over IPv6 loopback, \"[::1]:port\"") {
+  {
+    zmq::context_t ctx;
+    zmq::socket_t probe(ctx, zmq::socket_type::router);
+    probe.set(zmq::sockopt::ipv6, 1);
+    try {
+      probe.bind("tcp://[::1]:0");
+    } catch (const zmq::error_t& e) {
+      MESSAGE("skipped: this machine has no IPv6 loopback (" << e.what() << ")");
+      return;
+    }
+  }
+  psx_test::Watchdog dog("zmq IPv6 training", std::chrono::seconds(120));
+  const auto zmq = run_tasks(2, 3, false, [](Zmq& z) {
+    for (auto* job : {&z.tf.cluster.chief, &z.tf.cluster.worker, &z.tf.cluster.ps})
+      for (std::string& a : *job) {
+        REQUIRE(a.rfind("127.0.0.1:", 0) == 0);
+        a = "[::1]" + a.substr(9);
+      }
+  });
+  check_bit_identical(zmq, run_inprocess(2, 3));
+}
+
 TEST_CASE("zmq: a peer that never appears is named in the timeout error") {
   psx_test::Watchdog dog("zmq start timeout");
   TempDir dir;

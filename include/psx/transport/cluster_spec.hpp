@@ -20,6 +20,7 @@
 
 #include <cerrno>
 #include <cstddef>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -72,15 +73,35 @@ inline TfAddress parse_tf_address(std::string_view address) {
     return out;
   }
   for (const char c : out.host) {
-    if (c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '/') {
-      out.problem = "the host \"" + std::string(out.host) + "\" contains a space or a '/'";
+    const auto u = static_cast<unsigned char>(c);
+    if (u <= 0x20 || u == 0x7F || c == '/') {
+      out.problem = "the host contains a space, a control character or a '/'";
       return out;
     }
   }
+  if (out.host == "*") {
+    out.problem = "the host is \"*\" (every interface): a cluster address names the interface the server binds, "
+                  "which its workers connect to";
+    return out;
+  }
   // An IPv6 host has colons of its own and must be bracketed: "[::1]:5555".
-  if (out.host.find(':') != std::string_view::npos && (out.host.front() != '[' || out.host.back() != ']')) {
+  const bool bracketed = out.host.front() == '[' || out.host.back() == ']';
+  if (out.host.find(':') != std::string_view::npos && !bracketed) {
     out.problem = "an IPv6 host must be in brackets, as in \"[::1]:5555\"";
     return out;
+  }
+  if (bracketed) {
+    const std::string_view inner =
+        out.host.size() >= 2 && out.host.front() == '[' && out.host.back() == ']' ? out.host.substr(1, out.host.size() - 2)
+                                                                              : std::string_view();
+    bool ok = inner.find(':') != std::string_view::npos;
+    for (const char c : inner)
+      ok = ok && ((c >= '0' && c <= '9') || (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || c == ':' || c == '.' ||
+                  c == '%');
+    if (!ok) {
+      out.problem = "the host \"" + std::string(out.host) + "\" is not a bracketed IPv6 address such as \"[::1]\"";
+      return out;
+    }
   }
   unsigned long value = 0;
   bool ok = !port.empty();
@@ -99,8 +120,23 @@ inline TfAddress parse_tf_address(std::string_view address) {
   return out;
 }
 
+// An address for a message: control characters (a NUL would end the message) as \xNN.
+inline std::string shown_address(std::string_view address) {
+  std::string shown;
+  for (const char c : address) {
+    const auto u = static_cast<unsigned char>(c);
+    if (u >= 0x20 && u != 0x7F) {
+      shown += c;
+    } else {
+      constexpr char hex[] = "0123456789ABCDEF";
+      shown += {'\\', 'x', hex[u >> 4], hex[u & 15]};
+    }
+  }
+  return shown;
+}
+
 [[noreturn]] inline void throw_bad_tf_address(std::string_view address, const std::string& problem) {
-  throw config_error("psx: address \"" + std::string(address) + "\": " + problem +
+  throw config_error("psx: address \"" + shown_address(address) + "\": " + problem +
                      "; expected \"host:port\", \"tcp://host:port\" or \"ipc://path\"");
 }
 
@@ -288,7 +324,7 @@ struct TfConfig {
     };
 
     rapidjson::Document doc;
-    doc.Parse<rapidjson::kParseDefaultFlags>(json.data(), json.size());
+    doc.Parse<rapidjson::kParseIterativeFlag>(json.data(), json.size());  // no recursion: any nesting depth
     if (doc.HasParseError())
       throw fail("", "invalid JSON at offset " + std::to_string(doc.GetErrorOffset()) + ": " +
                          rapidjson::GetParseError_En(doc.GetParseError()));
@@ -341,7 +377,7 @@ struct TfConfig {
         std::string address = detail::tf_json_string(a);
         const auto parsed = detail::parse_tf_address(address);
         if (!parsed.problem.empty())
-          throw fail(apath, "bad address \"" + address + "\": " + parsed.problem +
+          throw fail(apath, "bad address \"" + detail::shown_address(address) + "\": " + parsed.problem +
                                 "; expected \"host:port\", \"tcp://host:port\" or \"ipc://path\"");
         // Port 0 is ephemeral: each server binds its own free port, so
         // "127.0.0.1:0" may stand for many tasks.
@@ -394,7 +430,9 @@ struct TfConfig {
       } else if (index->IsInt64()) {
         throw fail("task.index", std::to_string(index->GetInt64()) + " is negative");
       } else if (index->IsNumber()) {
-        throw fail("task.index", "expected a non-negative integer, got a non-integer number");
+        const bool huge = std::fabs(index->GetDouble()) >= 0x1p63;  // else a fraction, or written as one (1.0)
+        throw fail("task.index", std::string("expected a non-negative integer, got ") +
+                                     (huge ? "a number beyond 64 bits" : "a non-integer number"));
       } else {
         throw fail("task.index", std::string("expected a non-negative integer, got ") + detail::tf_json_kind(*index));
       }

@@ -139,6 +139,10 @@ namespace detail_zmq {
 using clock = std::chrono::steady_clock;
 namespace wire = ::psx::detail::wire;
 
+// Whether a tcp endpoint names an IPv6 host ("tcp://[::1]:5555"): libzmq
+// binds and connects to one only with ZMQ_IPV6 set on the socket.
+inline bool ipv6(std::string_view endpoint) noexcept { return endpoint.starts_with("tcp://["); }
+
 // ThreadSanitizer cannot see libzmq (not built with it) hand a message from
 // one thread to another, so when both ends are threads of one process (the
 // tests run whole clusters that way) it would report the receiver's reads as
@@ -636,6 +640,7 @@ class Zmq::link_type {
                 static_cast<std::int64_t>(
                     std::min<std::uint64_t>(settings_.limits.max_message_bytes, ::psx::detail::wire::max_chunk_bytes)));
     const std::string endpoint = zmq_endpoint(address);
+    if (detail_zmq::ipv6(endpoint)) router_.set(zmq::sockopt::ipv6, 1);
     try {
       router_.bind(endpoint);
     } catch (const zmq::error_t& e) {
@@ -1079,6 +1084,7 @@ class Zmq::link_type {
     d.set(zmq::sockopt::sndhwm, 0);
     d.set(zmq::sockopt::rcvhwm, 0);
     apply_curve_client(d);
+    if (detail_zmq::ipv6(endpoints_[s])) d.set(zmq::sockopt::ipv6, 1);
     d.connect(endpoints_[s]);
     return d;
   }
