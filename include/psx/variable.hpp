@@ -132,8 +132,11 @@ struct Initializer {
     switch (kind) {
       case Kind::zeros: return 0.0f;
       case Kind::constant: return a;
-      case Kind::uniform:
-        return static_cast<float>(a + (static_cast<double>(b) - a) * detail::uniform01(key, index));
+      case Kind::uniform: {
+        // The top draws of [low, high) may round to `high` as a float: keep them below it.
+        const auto v = static_cast<float>(a + (static_cast<double>(b) - a) * detail::uniform01(key, index));
+        return a < b ? std::min(v, std::nextafter(b, a)) : v;
+      }
       case Kind::normal: return static_cast<float>(a + b * standard_normal(key, index, 0));
       case Kind::truncated_normal: {
         // P(|z| > 2) = 4.6%: 64 redraws all failing has probability 1e-85.
@@ -264,8 +267,12 @@ struct VariableMeta {
   //! From `VariableSpec::dtype`.
   DType dtype = DType::float32;
 
+  //! Elements (rows x row width).
   std::size_t size() const noexcept { return rows * row_width; }
-  std::size_t bytes() const noexcept { return size() * sizeof(float); }
+  //! Bytes of its values in its dtype (2 per element for bfloat16 and
+  //! float16), as TensorFlow's partitioners by size count them and
+  //! partition::MinSize / MaxSize and the placement report do.
+  std::size_t bytes() const noexcept { return size() * dtype_size(dtype); }
 };
 
 //! A contiguous range of rows of one variable, owned by one server.

@@ -297,13 +297,13 @@ class Worker {
   //! variable's, or [rows, row width], or flat with the same element count.
   template <TensorLike T>
   void pull(std::string_view name, T& tensor) {
-    check_tensor(name, tensor_traits<T>::shape(tensor), "pull");
+    check_tensor(name, tensor_shape(name, tensor, "pull"), "pull");
     pull(name, std::span<float>(tensor_traits<T>::data(tensor)));
   }
   //! Pushes a gradient held in a tensor (same shape rule as `pull`).
   template <TensorLike T>
   void push(std::string_view name, const T& tensor) {
-    check_tensor(name, tensor_traits<T>::shape(tensor), "push");
+    check_tensor(name, tensor_shape(name, tensor, "push"), "push");
     push(name, std::span<const float>(tensor_traits<T>::data(tensor)));
   }
 
@@ -467,6 +467,20 @@ class Worker {
     if (core_->stopped.load(std::memory_order_acquire))
       throw shutdown_error("psx: worker " + std::to_string(index_) + ": " + std::string(op) +
                            " after the cluster shut down");
+  }
+
+  // The tensor's shape; a tensor the adapter cannot view (a column-major
+  // matrix, strided elements) is a shape_error saying which call and variable.
+  template <TensorLike T>
+  std::vector<std::size_t> tensor_shape(std::string_view name, const T& tensor, std::string_view op) const {
+    try {
+      return tensor_traits<T>::shape(tensor);
+    } catch (const shape_error& e) {
+      std::string_view what = e.what();
+      if (what.starts_with("psx: ")) what.remove_prefix(5);
+      throw shape_error("psx: worker " + std::to_string(index_) + ": " + std::string(op) + " of variable '" +
+                        std::string(name) + "': " + std::string(what));
+    }
   }
 
   void check_tensor(std::string_view name, const std::vector<std::size_t>& shape, std::string_view op) const {

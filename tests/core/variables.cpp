@@ -54,6 +54,12 @@ TEST_CASE("initializers draw from the stated distributions") {
     auto [mean, sd] = moments();
     CHECK(mean == doctest::Approx(1.0).epsilon(0.01));
     CHECK(sd == doctest::Approx(4.0 / std::sqrt(12.0)).epsilon(0.01));
+    // Where floats are coarse next to the width, the top draws round to
+    // `high` (29 in a million here): they are kept below it.
+    std::vector<float> coarse(1'000'000);
+    psx::Initializer::uniform(1000.0f, 1001.0f, 4).fill("c", 0, coarse);
+    CHECK(*std::max_element(coarse.begin(), coarse.end()) == std::nextafter(1001.0f, 0.0f));
+    CHECK(*std::min_element(coarse.begin(), coarse.end()) == 1000.0f);
   }
   SUBCASE("normal") {
     psx::Initializer::normal(1.0f, 0.5f, 2).fill("n", 0, x);
