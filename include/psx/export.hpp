@@ -34,7 +34,9 @@
 #include <cereal/types/vector.hpp>
 
 #include <algorithm>
+#include <charconv>
 #include <chrono>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -220,6 +222,15 @@ inline ExportedTensor convert(const Source& s, const ExportOptions& o) {
     }
     case ExportPrecision::int8:
     case ExportPrecision::int8_per_channel: {
+      // int8 has no infinity or NaN: an infinite value would make the scale
+      // infinite and every value of its tensor (or row) NaN, a NaN would
+      // become 0, either without a word.
+      for (std::size_t i = 0; i < n; ++i)
+        if (!std::isfinite(s.values[i]))
+          throw checkpoint_error("psx: export: variable '" + s.name + "' has " +
+                                 (std::isnan(s.values[i]) ? "NaN" : "an infinity") + " at element " +
+                                 std::to_string(i) + ", which int8 cannot hold; export it in float32 "
+                                 "(ExportOptions::keep_float32) or fix the parameter");
       const bool per_channel = p == ExportPrecision::int8_per_channel && s.shape.size() >= 2;
       const std::size_t rows = per_channel ? s.shape[0] : 1;
       const auto q = quantize_int8(s.values, rows, rows ? n / rows : 0, per_channel);
@@ -398,8 +409,11 @@ class ZipWriter {
     crc = ::psx::detail::crc32_ieee(body, crc);
     std::string local;
     put32(local, 0x04034b50);
+    // Flag bit 11: the name is UTF-8 (else readers take it as code page 437).
+    const bool utf8 = std::any_of(name.begin(), name.end(), [](char c) { return static_cast<unsigned char>(c) >= 0x80; });
+    const std::uint16_t flags = utf8 ? 0x0800 : 0;
     put16(local, 20);  // version needed
-    put16(local, 0);   // flags
+    put16(local, flags);
     put16(local, 0);   // stored
     put16(local, 0);   // time
     put16(local, 0x21);  // date: 1980-01-01
@@ -413,7 +427,7 @@ class ZipWriter {
     put32(central, 0x02014b50);
     put16(central, 20);
     put16(central, 20);
-    put16(central, 0);
+    put16(central, flags);
     put16(central, 0);
     put16(central, 0);
     put16(central, 0x21);
@@ -538,22 +552,31 @@ inline fs::path write_export(std::vector<Source> sources, std::uint64_t step, co
   const fs::path base = fs::absolute(o.base);
   const std::uint64_t version = o.version.value_or(step);
   const fs::path final_dir = base / std::to_string(version);
-  fs::create_directories(base);
-  if (fs::exists(final_dir)) ck::fail(final_dir, "exists: an export version is never overwritten");
+  try {
+    fs::create_directories(base);
+    if (fs::exists(final_dir)) ck::fail(final_dir, "exists: an export version is never overwritten");
+  } catch (const fs::filesystem_error& e) {
+    throw checkpoint_error("psx: export into " + base.string() + ": " + e.what());
+  }
   std::vector<ExportedTensor> tensors;
   for (Source& s : sources)
     if (o.variables.empty() || matches(o.variables, s.name)) tensors.push_back(convert(s, o));
   // The names the files use, the extra ones included (.npz and .safetensors):
   // a variable named like another's scales or indices would overwrite them.
   std::map<std::string, std::string> names;
+  if (o.safetensors) names.emplace("__metadata__", "");  // the safetensors header's own key
   for (const ExportedTensor& t : tensors) {
     std::vector<std::string> own = {t.name};
     if (t.sparse) own = {t.name + ".values", t.name + ".indices", t.name + ".shape"};
     if (!t.scales.empty()) own.push_back(t.name + ".scale");
     for (const std::string& n : own)
       if (!names.emplace(n, t.name).second)
-        throw config_error("psx: export: '" + n + "' names a tensor of variable '" + t.name + "' and of variable '" +
-                           names[n] + "'; rename one");
+        throw config_error(names[n].empty()
+                               ? "psx: export: variable '" + t.name + "' takes the name '" + n +
+                                     "', which model.safetensors keeps for its metadata; rename it or export "
+                                     "without safetensors"
+                               : "psx: export: '" + n + "' names a tensor of variable '" + t.name +
+                                     "' and of variable '" + names[n] + "'; rename one");
   }
   ExportMetadata m;
   m.step = step;
@@ -576,7 +599,11 @@ inline fs::path write_export(std::vector<Source> sources, std::uint64_t step, co
   // TensorFlow Serving loads any numeric directory it sees: the version
   // is written under a dotted name and renamed when complete.
   const fs::path temp = base / (".tmp-" + std::to_string(version) + "-" + std::to_string(ck::random64()));
-  fs::create_directory(temp);
+  try {
+    fs::create_directory(temp);
+  } catch (const fs::filesystem_error& e) {
+    throw checkpoint_error("psx: export into " + base.string() + ": " + e.what());
+  }
   try {
     {
       ck::AtomicFile meta(temp / "metadata.json");
@@ -605,7 +632,15 @@ inline fs::path write_export(std::vector<Source> sources, std::uint64_t step, co
 
 inline std::vector<float> ExportedTensor::to_float() const {
   const std::size_t n = elements();
-  std::vector<float> out(n, 0.0f);
+  // A sparse tensor's shape is not bounded by its file: a damaged or
+  // crafted one may claim more than memory holds.
+  std::vector<float> out;
+  try {
+    out.assign(n, 0.0f);
+  } catch (const std::exception& e) {  // bad_alloc, length_error
+    throw checkpoint_error("psx: tensor '" + name + "' of " + std::to_string(n) + " elements does not fit in memory as "
+                           "float32 (" + std::to_string(indices.size()) + " stored): " + e.what());
+  }
   const std::size_t stored = sparse ? indices.size() : n;
   std::vector<float> dense(stored);
   if (dtype == "float32") {
@@ -688,17 +723,21 @@ inline Export load_export(const std::filesystem::path& path, const LoadOptions& 
   namespace ck = checkpoint::detail;
   fs::path dir = path;
   if (!fs::exists(dir / "model.psx")) {
-    std::optional<std::uint64_t> best;
+    // The highest version: a directory named by a number of up to 2^64 - 1
+    // (a name of digits beyond it is not a version).
+    std::optional<std::pair<std::uint64_t, std::string>> best;
     std::error_code ec;
     for (const auto& e : fs::directory_iterator(path, ec)) {
       const std::string name = e.path().filename().string();
-      if (name.empty() || name.size() > 19 || !std::all_of(name.begin(), name.end(), [](char c) { return c >= '0' && c <= '9'; }))
+      if (name.empty() || !std::all_of(name.begin(), name.end(), [](char c) { return c >= '0' && c <= '9'; }))
         continue;
-      const std::uint64_t v = std::stoull(name);
-      if (!best || v > *best) best = v;
+      std::uint64_t v = 0;
+      const auto [end, err] = std::from_chars(name.data(), name.data() + name.size(), v);
+      if (err != std::errc() || end != name.data() + name.size()) continue;
+      if (!best || v > best->first) best.emplace(v, name);
     }
     if (!best) ck::fail(path, "holds neither model.psx nor a version directory");
-    dir = path / std::to_string(*best);
+    dir = path / best->second;
   }
   Export out;
   out.path = dir;

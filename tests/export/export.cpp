@@ -11,6 +11,8 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -139,6 +141,22 @@ TEST_CASE("export: an existing version is never overwritten, and a damaged model
   }
   CHECK_THROWS_WITH_AS(psx::load_export(base.path / "1"), doctest::Contains("model.psx: corrupted data (CRC-32C mismatch)"),
                        psx::checkpoint_error);
+  // The highest version is loaded, up to 2^64 - 1 (20 digits); a name of
+  // digits beyond that is not a version.
+  {
+    SGDCluster other({1, 1}, {}, {}, {1.0});
+    other.declare(psx::dense("w", {16}));
+    other.run([&](psx::Worker& w) {
+      set_values(other, w, {{"w", ramp(16, 2.0f, 0.0f)}});
+      psx::ExportOptions o;
+      o.base = base.path;
+      o.version = std::numeric_limits<std::uint64_t>::max();
+      psx::export_model(other, w, o);
+    });
+    fs::create_directory(base.path / "99999999999999999999");
+    CHECK(psx::load_export(base.path).path == base.path / "18446744073709551615");
+    fs::remove_all(base.path / "18446744073709551615");
+  }
   fs::resize_file(model, 20);
   CHECK_THROWS_WITH_AS(psx::load_export(base.path / "1"), doctest::Contains("model.psx: truncated"), psx::checkpoint_error);
   CHECK_THROWS_WITH_AS(psx::load_export(base.path / "nothing"), doctest::Contains("holds neither model.psx nor a version"),
@@ -159,6 +177,75 @@ TEST_CASE("export: a variable named like another's scales is refused before anyt
                          psx::config_error);
   });
   CHECK(fs::is_empty(base.path));
+}
+
+TEST_CASE("export: what the formats cannot hold is refused, names as readers take them") {
+  TempDir base("psx-export-edges");
+  SGDCluster ps({1, 1}, {}, {}, {1.0});
+  ps.declare(psx::dense("caf\xC3\xA9", {4}));  // "café"
+  ps.declare(psx::dense("__metadata__", {2}));
+  ps.declare(psx::dense("bad", {4}));
+  ps.run([&](psx::Worker& w) {
+    constexpr float inf = std::numeric_limits<float>::infinity();
+    set_values(ps, w, {{"caf\xC3\xA9", ramp(4, 1.0f, 1.0f)}, {"__metadata__", ramp(2, 1.0f, 0.5f)},
+                       {"bad", {1.0f, -2.0f, inf, 3.0f}}});
+    psx::ExportOptions o;
+    o.base = base.path;
+    // The safetensors header keeps "__metadata__" for itself.
+    CHECK_THROWS_WITH_AS(psx::export_model(ps, w, o),
+                         doctest::Contains("variable '__metadata__' takes the name '__metadata__', which "
+                                           "model.safetensors keeps for its metadata"),
+                         psx::config_error);
+    // int8 has no infinity (it made every value of the tensor NaN, or 0 stored sparsely).
+    o.variables = {"bad"};
+    o.precision = psx::ExportPrecision::int8;
+    CHECK_THROWS_WITH_AS(psx::export_model(ps, w, o),
+                         doctest::Contains("variable 'bad' has an infinity at element 2, which int8 cannot hold"),
+                         psx::checkpoint_error);
+    CHECK(fs::is_empty(base.path));
+    // In .npz, a name that is not ASCII is marked UTF-8 (zip flag bit 11),
+    // as numpy.load then reads it; an ASCII one is not marked.
+    o.variables = {"caf*", "__metadata__"};
+    o.precision = psx::ExportPrecision::float32;
+    o.safetensors = false;
+    const fs::path dir = psx::export_model(ps, w, o);
+    std::ifstream in(dir / "model.npz", std::ios::binary);
+    const std::string zip{std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+    std::size_t marked = 0, plain = 0;
+    for (std::size_t at = zip.find("PK\x03\x04"); at != std::string::npos; at = zip.find("PK\x03\x04", at + 4)) {
+      const auto flags = static_cast<unsigned>(static_cast<unsigned char>(zip[at + 6]) |
+                                               static_cast<unsigned char>(zip[at + 7]) << 8);
+      const std::string name = zip.substr(at + 30, static_cast<unsigned char>(zip[at + 26]));
+      if (name == "caf\xC3\xA9.npy") marked += flags == 0x0800;
+      if (name == "__metadata__.npy") plain += flags == 0;
+    }
+    CHECK(marked == 1);
+    CHECK(plain == 1);
+  });
+  // A base that cannot be made is a checkpoint_error naming it (it escaped
+  // as a filesystem_error from export_checkpoint).
+  TempDir root("psx-export-edges-ckpt");
+  SGDCluster small({1, 1}, {}, {}, {1.0});
+  small.declare(psx::dense("w", {2}));
+  small.run([&](psx::Worker& w) {
+    set_values(small, w, {{"w", ramp(2, 1.0f, 1.0f)}});
+    psx::checkpoint::save(small, w, root.path);
+  });
+  std::ofstream(base.path / "file") << "x";
+  psx::ExportOptions under_file;
+  under_file.base = base.path / "file" / "exports";
+  const std::string refused = psx_test::message_of<psx::checkpoint_error>(
+      [&] { psx::export_checkpoint(root.path / "ckpt-0000000001", under_file); });
+  CHECK(refused.starts_with("psx: export into " + (base.path / "file" / "exports").string()));
+  // A sparse tensor claiming more elements than memory holds (its file need
+  // not be large) is refused when it is made dense, typed and named.
+  psx::ExportedTensor huge;
+  huge.name = "huge";
+  huge.dtype = "float32";
+  huge.sparse = true;
+  huge.shape = {std::uint64_t{1} << 31, std::uint64_t{1} << 31};
+  CHECK_THROWS_WITH_AS((void)huge.to_float(), doctest::Contains("tensor 'huge' of 4611686018427387904 elements does not fit"),
+                       psx::checkpoint_error);
 }
 
 TEST_CASE("export: from a checkpoint, without a cluster") {
