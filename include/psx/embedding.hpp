@@ -280,6 +280,7 @@ class DynamicTable {
     incarnation_ = detail::mix64(std::random_device{}() ^ (static_cast<std::uint64_t>(std::random_device{}()) << 32) ^
                                  static_cast<std::uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count()));
     for (std::size_t k = 0; k < slots_; ++k) slot_init_.push_back(initial_slot(optimizer, k));
+    detail::check_table_cap(name_, dim, slots_, options);  // before the sketch is allocated
     if (options.admission.kind == Admission::Kind::after_pushes)
       sketch_ = std::make_unique<detail::PushSketch>(options.admission.sketch_width, options.admission.sketch_depth,
                                                      options.admission.sketch_window);
@@ -288,7 +289,6 @@ class DynamicTable {
     chunk_rows_ = detail::table_chunk_rows(stride_);
     chunk_shift_ = std::countr_zero(chunk_rows_);
     chunk_bytes_ = std::uint64_t{chunk_rows_} * stride_;
-    detail::check_table_cap(name_, dim, slots_, options);
     if (options.memory_cap_bytes != 0) {
       stripe_budget_ = (options.memory_cap_bytes - (sketch_ ? sketch_->bytes() : 0)) / options.stripes;
     }
@@ -317,7 +317,8 @@ class DynamicTable {
 
   const std::string& name() const noexcept { return name_; }
   std::size_t dim() const noexcept { return dim_; }
-  //! Changes so far (updates, admissions and removals each count one).
+  //! Changes so far (an update, or an admission with its first update,
+  //! and a removal each count one).
   std::uint64_t version() const noexcept { return version_.load(std::memory_order_acquire); }
   //! Ids stored now.
   std::size_t size() const noexcept { return static_cast<std::size_t>(rows_.load(std::memory_order_relaxed)); }
@@ -837,9 +838,10 @@ class DynamicTable {
     std::vector<std::uint64_t> versions;
     versions.reserve(st.removed.size());
     for (const auto& [id, v] : st.removed) versions.push_back(v);
+    // The oldest half (versions are distinct): the size / 2 smallest.
     const auto mid = versions.begin() + static_cast<std::ptrdiff_t>(versions.size() / 2);
     std::nth_element(versions.begin(), mid, versions.end());
-    const std::uint64_t floor = *mid;
+    const std::uint64_t floor = *std::max_element(versions.begin(), mid);
     const std::size_t before = st.removed.size();
     std::erase_if(st.removed, [&](const auto& kv) { return kv.second <= floor; });
     st.removed_floor = std::max(st.removed_floor, floor);

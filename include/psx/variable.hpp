@@ -336,6 +336,11 @@ inline VariableMeta make_dynamic_meta(const VariableSpec& spec, std::uint32_t id
        a.sketch_depth > 16 || (a.sketch_window != 0 && a.sketch_window < a.sketch_width)))
     throw config_error(what + ": admission after n pushes needs 1 <= n <= 255, a power-of-two sketch width, "
                               "1 to 16 sketch rows, and a window of 0 (none) or at least the width");
+  // A byte per counter, on every server: 4 GiB is far beyond what a
+  // count-min sketch of any stream needs (width ~ e / error).
+  if (a.kind == Admission::Kind::after_pushes && std::uint64_t{a.sketch_width} * a.sketch_depth > (std::uint64_t{1} << 32))
+    throw config_error(what + ": an admission sketch of " + std::to_string(a.sketch_width) + " x " +
+                       std::to_string(a.sketch_depth) + " counters is over 4 GiB per server");
   if (a.kind == Admission::Kind::probability && !(a.probability > 0.0 && a.probability <= 1.0))
     throw config_error(what + ": admission probability must be in (0, 1], got " + std::to_string(a.probability));
   if (!std::has_single_bit(o.stripes) || o.stripes > 4096)

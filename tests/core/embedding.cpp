@@ -322,6 +322,17 @@ TEST_CASE("embedding: a delta from before the forgotten removals is refused") {
   psx::TableExport a = t.export_rows(), b;
   b.dim = 2;
   CHECK_THROWS_AS(a.merge(b), psx::checkpoint_error);
+  // Forgetting keeps the newer half: with room for one, the latest removal
+  // is always remembered (it once forgot both at every second removal).
+  o.removal_log_limit = 1;
+  DynamicTable<psx::optim::SGD> one("emb", 1, {}, o, sgd);
+  for (std::uint64_t step = 1; step <= 12; ++step) {
+    const std::uint64_t before_step = one.version();
+    push(one, sgd, {step}, 1.0f, step, 1);  // from step 3 on, each sweep removes the id of two steps before
+    if (step < 3) continue;
+    CHECK(one.stats().removal_log == 1);
+    CHECK_NOTHROW(one.export_rows(psx::TableCursor{{one.incarnation()}, {before_step}}));
+  }
 }
 
 TEST_CASE("embedding: 8 threads pull and push one table at once") {
@@ -660,6 +671,15 @@ TEST_CASE("embedding: a table made directly checks its options and buffers") {
   CHECK_THROWS_AS(DynamicTable<psx::optim::SGD>("emb", 4, {}, o, sgd), psx::config_error);
   o.admission = Admission::after_pushes(2, 1u << 10, 4, 100);  // a window shorter than the width
   CHECK_THROWS_AS(DynamicTable<psx::optim::SGD>("emb", 4, {}, o, sgd), psx::config_error);
+  o.admission = Admission::after_pushes(2, 1u << 31, 4);  // 8 GiB of counters per server
+  CHECK_THROWS_WITH_AS(DynamicTable<psx::optim::SGD>("emb", 4, {}, o, sgd),
+                       doctest::Contains("an admission sketch of 2147483648 x 4 counters is over 4 GiB per server"),
+                       psx::config_error);
+  // A cap the sketch alone exceeds is refused before the sketch is made (4 GiB here).
+  o.admission = Admission::after_pushes(2, 1u << 30, 4);
+  o.memory_cap_bytes = 1 << 20;
+  CHECK_THROWS_WITH_AS(DynamicTable<psx::optim::SGD>("emb", 4, {}, o, sgd), doctest::Contains("is below its minimum"),
+                       psx::config_error);
   o = {};
   o.stripes = 0;
   CHECK_THROWS_AS(DynamicTable<psx::optim::SGD>("emb", 4, {}, o, sgd), psx::config_error);
