@@ -172,13 +172,18 @@ inline std::string checkpoint_dir_name(std::uint64_t step) {
   std::snprintf(buf, sizeof buf, "ckpt-%010llu", static_cast<unsigned long long>(step));
   return buf;
 }
+// "ckpt-" and the step: 10 digits, more for steps of 10^10 and beyond
+// (%010llu), and never a name the step would not be written as.
 inline std::optional<std::uint64_t> step_of_dir_name(const std::string& name) {
-  if (name.size() != 15 || name.compare(0, 5, "ckpt-") != 0) return std::nullopt;
+  if (name.size() < 15 || name.size() > 25 || name.compare(0, 5, "ckpt-") != 0) return std::nullopt;
   std::uint64_t step = 0;
   for (std::size_t i = 5; i < name.size(); ++i) {
     if (name[i] < '0' || name[i] > '9') return std::nullopt;
-    step = step * 10 + static_cast<std::uint64_t>(name[i] - '0');
+    const auto digit = static_cast<std::uint64_t>(name[i] - '0');
+    if (step > (std::numeric_limits<std::uint64_t>::max() - digit) / 10) return std::nullopt;
+    step = step * 10 + digit;
   }
+  if (checkpoint_dir_name(step) != name) return std::nullopt;
   return step;
 }
 
@@ -392,7 +397,12 @@ inline Loaded read_file(const fs::path& file) {
   }
   Loaded out;
   out.size = static_cast<std::size_t>(st.st_size);
-  out.bytes = std::make_unique_for_overwrite<std::byte[]>(out.size);
+  try {
+    out.bytes = std::make_unique_for_overwrite<std::byte[]>(out.size);
+  } catch (const std::bad_alloc&) {  // a damaged file system's size, say
+    ::close(fd);
+    fail(file, "of " + std::to_string(out.size) + " bytes does not fit in memory");
+  }
   std::size_t done = 0;
   while (done < out.size) {
     const ::ssize_t r = ::read(fd, out.bytes.get() + done, out.size - done);
@@ -733,8 +743,24 @@ inline void check_listed(const fs::path& file, std::uint64_t size, const Header&
   if (h.step != step) fail(file, "is of step " + std::to_string(h.step) + ", the manifest of step " + std::to_string(step));
 }
 
+// What an optimizer's slots mean, from its description: its type's name
+// without its settings ("Adagrad{lr=0.1, ...}": "Adagrad"), through a
+// schedule (which keeps no state: "Scheduled{Adam{...}, Cosine{...}}" is
+// "Adam"), a pruning wrapper kept ("Pruned{SGD{...}, ...}": "Pruned{SGD}").
+inline std::string optimizer_kind(std::string_view d) {
+  while (d.starts_with("Scheduled{")) d.remove_prefix(10);
+  if (d.starts_with("Pruned{")) return "Pruned{" + optimizer_kind(d.substr(7)) + "}";
+  return std::string(d.substr(0, std::min(d.find('{'), d.size())));
+}
+
 inline void check_compatible(const Manifest& m, const fs::path& dir, const std::vector<VariableInfo>& variables,
-                             std::size_t num_slots) {
+                             std::size_t num_slots, const std::string& optimizer = {}) {
+  // The same number of slots is not enough: SGD's momentum restored as
+  // Adagrad's accumulator (negative) made parameters NaN.
+  if (!optimizer.empty() && optimizer_kind(m.optimizer) != optimizer_kind(optimizer))
+    fail(dir / manifest_name, "was saved with optimizer " + m.optimizer + ", whose slots are not those of this "
+                              "program's " + optimizer + " (" + optimizer_kind(m.optimizer) + " vs " +
+                              optimizer_kind(optimizer) + ")");
   for (const VariableInfo& v : variables)
     check_variable(m, dir / manifest_name, find_variable(m, v.meta.name), v.meta, num_slots);
   for (const ManifestFile& f : m.files) {
@@ -1060,6 +1086,7 @@ void on_chief(Worker& w, const std::string& what, F&& f) {
 template <class PS>
 Info save(const PS& ps, Worker& w, const std::filesystem::path& root) {
   namespace fs = std::filesystem;
+  if (root.empty()) throw checkpoint_error("psx: checkpoint::save: the checkpoint directory is empty");
   const std::uint64_t step = w.clock();
   const fs::path abs_root = fs::absolute(root);
   const fs::path final_dir = abs_root / detail::checkpoint_dir_name(step);
@@ -1140,11 +1167,17 @@ Info save(const PS& ps, Worker& w, const std::filesystem::path& root) {
 //! file and the problem, on the others one saying the chief could not.
 template <class PS>
 std::uint64_t restore(const PS& ps, Worker& w, const std::filesystem::path& dir) {
+  if (dir.empty()) throw checkpoint_error("psx: checkpoint::restore: the checkpoint path is empty");
   const std::filesystem::path abs_dir = std::filesystem::absolute(dir);
   const Manifest m = detail::load_manifest(abs_dir);
+  // Every worker is here, none still in its last step: the servers' clocks
+  // are about to be set to the checkpoint's step (without this, a restore
+  // called during a run could hang a slower worker).
+  w.barrier();
   // Everyone learns whether it was restored.
   detail::on_chief(w, "restore " + abs_dir.string() + "; nothing changed", [&] {
-    detail::check_compatible(m, abs_dir, ::psx::detail::WorkerAccess::variables(w), ps.optimizer().slots());
+    detail::check_compatible(m, abs_dir, ::psx::detail::WorkerAccess::variables(w), ps.optimizer().slots(),
+                             detail::describe(ps.optimizer()));
     try {
       ::psx::detail::WorkerAccess::call_every_server(w, Op::restore, m.step, abs_dir.string());
     } catch (...) {
@@ -1219,18 +1252,26 @@ class Manager {
     return true;
   }
 
-  //! Collective: saves now, then deletes the oldest beyond `max_to_keep`.
+  //! Collective: saves now, deletes the checkpoints of later steps (a run
+  //! that was rolled back to an earlier checkpoint: `latest` would resume
+  //! it), then the oldest beyond `max_to_keep`; never the one just saved.
   Info save(Worker& w) {
     Info info = checkpoint::save(*ps_, w, options_.directory);
     if (w.is_chief()) last_save_ = std::chrono::steady_clock::now();
-    if (w.is_chief() && options_.max_to_keep > 0) {
-      auto all = checkpoint::list(options_.directory);
-      for (std::size_t i = 0; i + options_.max_to_keep < all.size(); ++i) {
+    if (w.is_chief()) {
+      auto remove = [](const Info& c) {
         std::error_code ec;
         // The manifest first: a half-deleted checkpoint is never "complete".
-        std::filesystem::remove(all[i].path / detail::manifest_name, ec);
-        std::filesystem::remove_all(all[i].path, ec);
+        std::filesystem::remove(c.path / detail::manifest_name, ec);
+        std::filesystem::remove_all(c.path, ec);
+      };
+      std::vector<Info> kept;
+      for (const Info& c : checkpoint::list(options_.directory)) {
+        if (c.step > info.step) remove(c);
+        else kept.push_back(c);  // oldest first
       }
+      for (std::size_t i = 0; options_.max_to_keep > 0 && i + options_.max_to_keep < kept.size(); ++i)
+        if (kept[i].step != info.step) remove(kept[i]);
     }
     return info;
   }

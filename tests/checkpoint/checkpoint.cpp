@@ -8,12 +8,15 @@
 #include <doctest/doctest.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
-#include <thread>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <string>
+#include <thread>
+#include <type_traits>
 #include <vector>
 
 namespace fs = std::filesystem;
@@ -372,7 +375,89 @@ TEST_CASE("checkpoint: another optimizer's state is refused with both named") {
   declare(ps);
   ps.run([&](psx::Worker& w) {
     CHECK_THROWS_WITH_AS(psx::checkpoint::restore(ps, w, dir_of(root.path, 2)),
-                         doctest::Contains("keeps 2 slots per parameter, this program's 0"), psx::checkpoint_error);
+                         doctest::Contains("whose slots are not those of this program's SGD"), psx::checkpoint_error);
+  });
+  // As many slots, other meanings: SGD's momentum is not Adagrad's
+  // accumulator (restored, its negative values made parameters NaN).
+  TempDir momentum("momentum");
+  const psx::optim::SGD sgd{.lr = 0.1, .momentum = 0.9};
+  train(sgd, 2, 2, {}, momentum.path);
+  Cluster<psx::optim::Adagrad> adagrad({2, 1}, {}, {}, {});  // one worker: the chief, whose error names the cause
+  declare(adagrad);
+  adagrad.run([&](psx::Worker& w) {
+    CHECK_THROWS_WITH_AS(psx::checkpoint::restore(adagrad, w, dir_of(momentum.path, 2)),
+                         doctest::Contains("(SGD vs Adagrad)"), psx::checkpoint_error);
+  });
+  // A schedule keeps no state: SGD's checkpoint restores under one.
+  const auto scheduled = psx::optim::scheduled(sgd, psx::schedule::Cosine{.decay_steps = 10});
+  Cluster<std::decay_t<decltype(scheduled)>> with_schedule({2, kWorkers}, {}, {}, scheduled);
+  declare(with_schedule);
+  with_schedule.run([&](psx::Worker& w) { CHECK(psx::checkpoint::restore(with_schedule, w, dir_of(momentum.path, 2)) == 2); });
+  CHECK(psx::checkpoint::detail::optimizer_kind("Scheduled{Scheduled{Adam{lr=1}, Cosine{}}, Warmup{}}") == "Adam");
+  CHECK(psx::checkpoint::detail::optimizer_kind("Pruned{Scheduled{SGD{lr=1}, X{}}, P{}, names=[]}") == "Pruned{SGD}");
+  CHECK(psx::checkpoint::detail::optimizer_kind("N5MyOpt") == "N5MyOpt");  // no operator<<: the type's name
+}
+
+TEST_CASE("checkpoint: restore during a run, a rolled-back Manager, steps of 11 digits, an empty path") {
+  Watchdog dog("checkpoint edges");
+  TempDir root("edges");
+  using PS = Cluster<psx::optim::SGD>;
+  {
+    // Every worker restores at the same clock while one is still in its
+    // last step: restore waits for it (it hung when the chief went ahead).
+    PS ps({2, kWorkers}, {}, {}, {.lr = 0.1});
+    declare(ps);
+    ps.run([&](psx::Worker& w) {
+      while (w.clock() < 3) train_step(w);
+      psx::checkpoint::save(ps, w, root.path);
+      while (w.clock() < 5) {
+        if (w.index() == 1 && w.clock() == 4) std::this_thread::sleep_for(std::chrono::milliseconds(200));
+        train_step(w);
+      }
+      CHECK(psx::checkpoint::restore(ps, w, dir_of(root.path, 3)) == 3);
+      CHECK(w.clock() == 3);
+    });
+  }
+  {
+    // Steps 4 and 8 saved, then back to 4 and on to 6 with max_to_keep = 1:
+    // the new 6 stays and is the latest; 8, of the run rolled back, goes.
+    TempDir managed("edges-manager");
+    PS ps({2, kWorkers}, {}, {}, {.lr = 0.1});
+    declare(ps);
+    psx::checkpoint::Manager<PS> ckpt(ps, {.directory = managed.path, .every_steps = 4, .max_to_keep = 2});
+    ps.run([&](psx::Worker& w) {
+      while (w.clock() < 8) {
+        train_step(w);
+        ckpt.maybe_save(w);
+      }
+    });
+    psx::checkpoint::Manager<PS> again(ps, {.directory = managed.path, .every_steps = 6, .max_to_keep = 1});
+    ps.run([&](psx::Worker& w) {
+      CHECK(psx::checkpoint::restore(ps, w, dir_of(managed.path, 4)) == 4);
+      while (w.clock() < 6) {
+        train_step(w);
+        again.maybe_save(w);
+      }
+    });
+    const auto all = again.all();
+    REQUIRE(all.size() == 1);
+    CHECK(all[0].step == 6);
+    CHECK(again.latest()->step == 6);
+  }
+  // Names of steps from 10^10 on have more than 10 digits.
+  CHECK(psx::checkpoint::detail::step_of_dir_name("ckpt-10000000000") == std::uint64_t{10000000000});
+  CHECK(psx::checkpoint::detail::step_of_dir_name("ckpt-18446744073709551615") ==
+        std::numeric_limits<std::uint64_t>::max());
+  CHECK_FALSE(psx::checkpoint::detail::step_of_dir_name("ckpt-18446744073709551616"));  // beyond 64 bits
+  CHECK_FALSE(psx::checkpoint::detail::step_of_dir_name("ckpt-00000000001"));           // not how 1 is written
+  CHECK_FALSE(psx::checkpoint::detail::step_of_dir_name("ckpt-000000001"));
+  CHECK(psx::checkpoint::detail::step_of_dir_name("ckpt-0000000001") == 1u);
+  // An empty path is a checkpoint_error, not a filesystem_error.
+  PS ps({1, kWorkers}, {}, {}, {.lr = 0.1});
+  declare(ps);
+  ps.run([&](psx::Worker& w) {
+    CHECK_THROWS_WITH_AS(psx::checkpoint::save(ps, w, ""), doctest::Contains("directory is empty"), psx::checkpoint_error);
+    CHECK_THROWS_WITH_AS(psx::checkpoint::restore(ps, w, ""), doctest::Contains("path is empty"), psx::checkpoint_error);
   });
 }
 
