@@ -30,6 +30,7 @@
 #include <psx/variable.hpp>
 #include <psx/worker.hpp>
 
+#include <cctype>
 #include <cereal/archives/json.hpp>
 #include <cereal/archives/portable_binary.hpp>
 #include <cereal/types/string.hpp>
@@ -747,17 +748,22 @@ inline void check_listed(const fs::path& file, std::uint64_t size, const Header&
 // without its settings ("Adagrad{lr=0.1, ...}": "Adagrad"), through a
 // schedule (which keeps no state: "Scheduled{Adam{...}, Cosine{...}}" is
 // "Adam"), a pruning wrapper kept ("Pruned{SGD{...}, ...}": "Pruned{SGD}").
+// Its leading name ends at the first character that is not part of one
+// (a user's "MyOpt(lr=0.1)" is "MyOpt"); AdamW keeps Adam's slots.
 inline std::string optimizer_kind(std::string_view d) {
   while (d.starts_with("Scheduled{")) d.remove_prefix(10);
   if (d.starts_with("Pruned{")) return "Pruned{" + optimizer_kind(d.substr(7)) + "}";
-  return std::string(d.substr(0, std::min(d.find('{'), d.size())));
+  std::size_t n = 0;
+  while (n < d.size() && (std::isalnum(static_cast<unsigned char>(d[n])) || d[n] == '_' || d[n] == ':')) ++n;
+  const std::string name(d.substr(0, n));
+  return name == "AdamW" ? "Adam" : name;
 }
 
 inline void check_compatible(const Manifest& m, const fs::path& dir, const std::vector<VariableInfo>& variables,
                              std::size_t num_slots, const std::string& optimizer = {}) {
   // The same number of slots is not enough: SGD's momentum restored as
   // Adagrad's accumulator (negative) made parameters NaN.
-  if (!optimizer.empty() && optimizer_kind(m.optimizer) != optimizer_kind(optimizer))
+  if (!optimizer.empty() && num_slots > 0 && optimizer_kind(m.optimizer) != optimizer_kind(optimizer))
     fail(dir / manifest_name, "was saved with optimizer " + m.optimizer + ", whose slots are not those of this "
                               "program's " + optimizer + " (" + optimizer_kind(m.optimizer) + " vs " +
                               optimizer_kind(optimizer) + ")");
@@ -1252,26 +1258,25 @@ class Manager {
     return true;
   }
 
-  //! Collective: saves now, deletes the checkpoints of later steps (a run
-  //! that was rolled back to an earlier checkpoint: `latest` would resume
-  //! it), then the oldest beyond `max_to_keep`; never the one just saved.
+  //! Collective: saves now, then deletes the oldest checkpoints of steps up
+  //! to this one beyond `max_to_keep`, never the one just saved.
+  //! Checkpoints of later steps (a run rolled back to an earlier one) are
+  //! left alone, and `latest()` takes the highest step: remove them, or
+  //! save into another directory, to resume the new run.
   Info save(Worker& w) {
     Info info = checkpoint::save(*ps_, w, options_.directory);
     if (w.is_chief()) last_save_ = std::chrono::steady_clock::now();
-    if (w.is_chief()) {
-      auto remove = [](const Info& c) {
+    if (w.is_chief() && options_.max_to_keep > 0) {
+      std::vector<Info> older;  // oldest first, up to the one just saved
+      for (const Info& c : checkpoint::list(options_.directory))
+        if (c.step <= info.step) older.push_back(c);
+      for (std::size_t i = 0; i + options_.max_to_keep < older.size(); ++i) {
+        if (older[i].step == info.step) continue;
         std::error_code ec;
         // The manifest first: a half-deleted checkpoint is never "complete".
-        std::filesystem::remove(c.path / detail::manifest_name, ec);
-        std::filesystem::remove_all(c.path, ec);
-      };
-      std::vector<Info> kept;
-      for (const Info& c : checkpoint::list(options_.directory)) {
-        if (c.step > info.step) remove(c);
-        else kept.push_back(c);  // oldest first
+        std::filesystem::remove(older[i].path / detail::manifest_name, ec);
+        std::filesystem::remove_all(older[i].path, ec);
       }
-      for (std::size_t i = 0; options_.max_to_keep > 0 && i + options_.max_to_keep < kept.size(); ++i)
-        if (kept[i].step != info.step) remove(kept[i]);
     }
     return info;
   }

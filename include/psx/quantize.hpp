@@ -62,15 +62,21 @@ inline std::int8_t quantize_int8_one(float x, float scale) noexcept {
 //! tensor or, `per_channel`, one per row. Throws psx::shape_error when `x`
 //! does not hold `rows * width` values.
 inline QuantizedInt8 quantize_int8(std::span<const float> x, std::size_t rows, std::size_t width, bool per_channel) {
-  if ((width != 0 && rows > x.size() / width) || (width == 0 && per_channel && rows > x.size()))
+  if (width != 0 && rows > x.size() / width)
     throw shape_error("psx::quantize_int8: a " + std::to_string(rows) + " x " + std::to_string(width) +
                       " tensor needs more than the " + std::to_string(x.size()) + " values given");
   if (rows * width != x.size())
     throw shape_error("psx::quantize_int8: a " + std::to_string(rows) + " x " + std::to_string(width) +
                       " tensor has " + std::to_string(rows * width) + " values, " + std::to_string(x.size()) +
                       " given");
-  QuantizedInt8 out{std::vector<std::int8_t>(x.size()), std::vector<float>(per_channel ? rows : 1), rows, width,
-                    per_channel};
+  std::vector<float> scales;
+  try {
+    scales.resize(per_channel ? rows : 1);  // rows of 0 values each have a scale
+  } catch (const std::exception&) {
+    throw shape_error("psx::quantize_int8: " + std::to_string(rows) + " rows (of " + std::to_string(width) +
+                      " values) are more scales than memory holds");
+  }
+  QuantizedInt8 out{std::vector<std::int8_t>(x.size()), std::move(scales), rows, width, per_channel};
   const std::size_t groups = per_channel ? rows : 1, group = per_channel ? width : x.size();
   for (std::size_t r = 0; r < groups; ++r) {
     const std::span<const float> part = x.subspan(r * group, group);

@@ -595,14 +595,15 @@ class Writer {
       out.swap(buffer_);
     }
     std::string error;
+    const bool failed_before = !failed_.empty();
     try {
-      if (failed_.empty()) write_all(out);
+      if (!failed_before) write_all(out);
     } catch (const summary_error& e) {
       error = e.what();
     }
-    // Records logged while the write that failed was under way (other
-    // threads' calls returned before it failed) are lost: say so.
-    if (!failed_.empty() && !out.empty())
+    // Records logged while an earlier write that failed was under way
+    // (other threads' calls returned before it failed) are lost: say so.
+    if (failed_before && !out.empty())
       error = failed_ + "; " + std::to_string(out.size()) + " bytes of records logged since were not written";
     if (error.empty() && failed_.empty() && ::fsync(fd_) != 0) error = io_message("sync");
     if (::close(fd_) != 0 && error.empty() && failed_.empty()) error = io_message("close");

@@ -695,7 +695,8 @@ TEST_CASE("quantize: int8 symmetric per tensor and per channel, against hand-com
   std::vector<float> small(5);
   CHECK_THROWS_AS(psx::dequantize(c, small), psx::shape_error);
   CHECK(message_of<psx::shape_error>([&] { (void)psx::quantize_int8({}, SIZE_MAX, 0, true); }) ==
-        "psx::quantize_int8: a 18446744073709551615 x 0 tensor needs more than the 0 values given");
+        "psx::quantize_int8: 18446744073709551615 rows (of 0 values) are more scales than memory holds");
+  CHECK(psx::quantize_int8({}, 5, 0, true).scales == std::vector<float>(5, 1.0f));  // empty rows: scale 1 each
   // A max below 127 x FLT_MIN: max / 127 would lose bits (or be 0), so the
   // scale stays FLT_MIN and the values become exact multiples of it.
   const std::vector<float> tiny{5.04e-44f, -2.0e-44f, 0.0f, 1.0e-30f, -3.0e-31f, 0.0f};

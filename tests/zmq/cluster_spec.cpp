@@ -324,8 +324,8 @@ TEST_CASE("cluster_spec: addresses") {
   // Valid forms.
   const TfConfig ok =
       TfConfig::parse(with_cluster(R"({"chief": ["c:1"], "ps": ["tcp://p:2", "ipc:///tmp/x", "[::1]:3", "p:004",
-                                   "[fe80::1%eth0]:4", "[::ffff:127.0.0.1]:5"]})"));
-  CHECK(ok.cluster.ps.size() == 6);
+                                   "[fe80::1%eth0]:4", "[::ffff:127.0.0.1]:5", "[fe80::1%br-lan]:6"]})"));
+  CHECK(ok.cluster.ps.size() == 7);
 }
 
 TEST_CASE("cluster_spec: an address used twice is refused, except port 0") {
@@ -363,6 +363,9 @@ TEST_CASE("cluster_spec: the task") {
   CHECK(error_of(with_task(R"({"type": "worker", "index": -1})")) == "psx: TF_CONFIG: task.index: -1 is negative");
   CHECK(error_of(with_task(R"({"type": "worker", "index": 1.5})")) ==
         "psx: TF_CONFIG: task.index: expected a non-negative integer, got a non-integer number");
+  CHECK(error_of(with_task(R"({"type": "worker", "index": 1e19})")) ==
+        "psx: TF_CONFIG: task.index: expected a non-negative integer, got an integer in floating-point form (write it "
+        "as one)");
   for (const char* huge : {"18446744073709551616", "1e30", "-1e30"})
     CHECK(error_of(with_task(R"({"type": "worker", "index": )" + std::string(huge) + "}")) ==
           "psx: TF_CONFIG: task.index: expected a non-negative integer, got a number beyond 64 bits");

@@ -18,6 +18,7 @@
 #include <rapidjson/stringbuffer.h>
 #include <rapidjson/writer.h>
 
+#include <cctype>
 #include <cerrno>
 #include <cstddef>
 #include <cmath>
@@ -94,10 +95,13 @@ inline TfAddress parse_tf_address(std::string_view address) {
     const std::string_view inner =
         out.host.size() >= 2 && out.host.front() == '[' && out.host.back() == ']' ? out.host.substr(1, out.host.size() - 2)
                                                                               : std::string_view();
-    bool ok = inner.find(':') != std::string_view::npos;
-    for (const char c : inner)
-      ok = ok && ((c >= '0' && c <= '9') || (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || c == ':' || c == '.' ||
-                  c == '%');
+    // Hex digits, ':' and '.' (an embedded IPv4 address), then maybe a
+    // zone: '%' and an interface's name ("fe80::1%br-lan").
+    const std::string_view address = inner.substr(0, inner.find('%'));
+    const std::string_view zone = address.size() < inner.size() ? inner.substr(address.size() + 1) : "-";
+    bool ok = address.find(':') != std::string_view::npos && !zone.empty();
+    for (const char c : address) ok = ok && (std::isxdigit(static_cast<unsigned char>(c)) || c == ':' || c == '.');
+    for (const char c : zone) ok = ok && c != '%' && c != '[' && c != ']';
     if (!ok) {
       out.problem = "the host \"" + std::string(out.host) + "\" is not a bracketed IPv6 address such as \"[::1]\"";
       return out;
@@ -430,9 +434,11 @@ struct TfConfig {
       } else if (index->IsInt64()) {
         throw fail("task.index", std::to_string(index->GetInt64()) + " is negative");
       } else if (index->IsNumber()) {
-        const bool huge = std::fabs(index->GetDouble()) >= 0x1p63;  // else a fraction, or written as one (1.0)
+        const double d = index->GetDouble();
         throw fail("task.index", std::string("expected a non-negative integer, got ") +
-                                     (huge ? "a number beyond 64 bits" : "a non-integer number"));
+                                     (std::fabs(d) >= 0x1p64     ? "a number beyond 64 bits"
+                                      : d == std::floor(d) ? "an integer in floating-point form (write it as one)"
+                                                           : "a non-integer number"));
       } else {
         throw fail("task.index", std::string("expected a non-negative integer, got ") + detail::tf_json_kind(*index));
       }
