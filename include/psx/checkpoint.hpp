@@ -30,7 +30,6 @@
 #include <psx/variable.hpp>
 #include <psx/worker.hpp>
 
-#include <cctype>
 #include <cereal/archives/json.hpp>
 #include <cereal/archives/portable_binary.hpp>
 #include <cereal/types/string.hpp>
@@ -42,6 +41,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cctype>
 #include <cerrno>
 #include <chrono>
 #include <cstddef>

@@ -20,8 +20,8 @@
 
 #include <cctype>
 #include <cerrno>
-#include <cstddef>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
