@@ -5,6 +5,7 @@
 
 #include <stdexcept>
 #include <string>
+#include <string_view>
 
 namespace psx {
 inline namespace v0 {
@@ -89,6 +90,17 @@ class peer_lost : public error {
  public:
   using error::error;
 };
+
+namespace detail {
+
+// An error's message without its leading "psx: ", for a message that says
+// more of where it arose ("psx: worker 0: pull of variable 'w': " + this).
+inline std::string_view without_psx_prefix(std::string_view what) noexcept {
+  if (what.starts_with("psx: ")) what.remove_prefix(5);
+  return what;
+}
+
+}  // namespace detail
 
 }  // namespace v0
 }  // namespace psx

@@ -340,9 +340,7 @@ class GradientPipeline {
     try {
       return w.variable(name);
     } catch (const unknown_variable& e) {
-      std::string_view what = e.what();
-      if (what.starts_with("psx: ")) what.remove_prefix(5);
-      throw unknown_variable(where() + std::string(what) + std::string(unchanged));
+      throw unknown_variable(where() + std::string(detail::without_psx_prefix(e.what())) + std::string(unchanged));
     }
   }
 

@@ -476,10 +476,8 @@ class Worker {
     try {
       return tensor_traits<T>::shape(tensor);
     } catch (const shape_error& e) {
-      std::string_view what = e.what();
-      if (what.starts_with("psx: ")) what.remove_prefix(5);
       throw shape_error("psx: worker " + std::to_string(index_) + ": " + std::string(op) + " of variable '" +
-                        std::string(name) + "': " + std::string(what));
+                        std::string(name) + "': " + std::string(detail::without_psx_prefix(e.what())));
     }
   }
 
