@@ -88,13 +88,15 @@ class ParameterServer {
   const O& optimizer() const noexcept { return optimizer_; }
 
   //! Declares a variable and places it. Only before `start()`/`run()`.
-  //! Throws `psx::duplicate_variable`, `psx::shape_error`, or `psx::config_error`
-  //! (after start, when the partitioner's placement does not tile the rows,
-  //! or when the optimizer refuses the variable, e.g. LAMB and a split variable).
-  const VariableInfo& declare(VariableSpec spec) {
+  //! Returns a copy of what was declared (a later declaration may move the
+  //! cluster's own). Throws `psx::duplicate_variable`, `psx::shape_error`,
+  //! or `psx::config_error` (after start, when the partitioner's placement
+  //! does not tile the rows, or when the optimizer refuses the variable,
+  //! e.g. LAMB and a split variable).
+  VariableInfo declare(VariableSpec spec) {
     if (core_->by_name.contains(spec.name))
       throw duplicate_variable("psx: variable '" + spec.name + "' is already declared (shape " +
-                               detail::shape_string(variable(spec.name).meta.shape) + "); the second declaration has shape " +
+                               detail::shape_string(lookup(spec.name, "declare").meta.shape) + "); the second declaration has shape " +
                                detail::shape_string(spec.shape));
     if (started_)
       throw config_error("psx: declare('" + spec.name + "') after the cluster started; declare every variable first");
@@ -114,8 +116,9 @@ class ParameterServer {
     return core_->variables.back();
   }
 
-  //! The variable declared as `name`; throws `psx::unknown_variable`.
-  const VariableInfo& variable(std::string_view name) const { return core_->find(name, "lookup", 0); }
+  //! The variable declared as `name`; throws `psx::unknown_variable`. The
+  //! reference holds until the next `declare` (none once the cluster started).
+  const VariableInfo& variable(std::string_view name) const { return lookup(name, "variable"); }
   //! What each server holds of the declared variables (with the
   //! optimizer's slots): print it to see how even the placement is.
   //! Dynamic tables count with the bytes their servers in this process hold now.
@@ -147,7 +150,7 @@ class ParameterServer {
   //! Throws as `table_stats`, and checkpoint_error for a delta older than
   //! the removals a server remembers (`TableOptions::removal_log_limit`).
   TableExport export_table(std::string_view name, const TableCursor& since = {}) {
-    const VariableInfo& v = variable(name);
+    const VariableInfo& v = lookup(name, "export_table");
     const std::size_t n = config().num_servers;
     if (!since.empty() && (since.version.size() != n || since.incarnation.size() != n))
       throw config_error("psx: export_table('" + v.meta.name + "'): a cursor of " +
@@ -360,7 +363,7 @@ class ParameterServer {
   //! worker, and the thread runs events while it waits, as a worker would).
   std::vector<float> read(std::string_view name) {
     start();
-    const VariableInfo& v = variable(name);
+    const VariableInfo& v = lookup(name, "read");
     std::vector<float> out(v.meta.size());
     const PullItem item{name, out};
     const std::vector<std::size_t> local = local_workers();
@@ -387,6 +390,12 @@ class ParameterServer {
   bool running() const noexcept { return started_ && !core_->stopped.load(); }
 
  private:
+  // Variable `name`, or unknown_variable naming the call ("ParameterServer::read").
+  const VariableInfo& lookup(std::string_view name, const char* verb) const {
+    if (const VariableInfo* v = core_->try_find(name)) return *v;
+    core_->unknown(name, std::string("ParameterServer::") + verb);
+  }
+
   template <class L>
   static bool local_server(const L& link, std::size_t s) noexcept {
     if constexpr (requires { { link.local_server(s) } -> std::same_as<bool>; })
@@ -451,7 +460,7 @@ class ParameterServer {
   // Calls `fn(table)` for each server's part of dynamic table `name`, in server order.
   template <class F>
   void for_each_table(std::string_view name, const char* verb, F&& fn) {
-    const VariableInfo& v = variable(name);
+    const VariableInfo& v = lookup(name, verb);
     if (v.meta.kind != VariableKind::dynamic)
       throw config_error(std::string("psx: ") + verb + "('" + v.meta.name + "'): a " +
                          (v.meta.kind == VariableKind::dense ? "dense" : "sparse") + " variable, not a dynamic table");

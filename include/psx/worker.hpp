@@ -161,8 +161,17 @@ struct ClusterCore {
   }
 
   const VariableInfo& find(std::string_view name, std::string_view op, std::size_t worker) const {
+    if (const VariableInfo* v = try_find(name)) return *v;
+    unknown(name, "worker " + std::to_string(worker) + ": " + std::string(op));
+  }
+
+  const VariableInfo* try_find(std::string_view name) const noexcept {
     auto it = by_name.find(name);
-    if (it != by_name.end()) return variables[it->second];
+    return it != by_name.end() ? &variables[it->second] : nullptr;
+  }
+
+  // Throws unknown_variable for `name`, said by `where` ("worker 2: pull").
+  [[noreturn]] void unknown(std::string_view name, const std::string& where) const {
     std::string known;
     std::size_t listed = 0;
     for (const auto& [n, id] : by_name) {
@@ -172,8 +181,7 @@ struct ClusterCore {
       }
       known += (known.empty() ? "" : ", ") + n;
     }
-    throw unknown_variable("psx: worker " + std::to_string(worker) + ": " + std::string(op) +
-                           " of unknown variable '" + std::string(name) + "' (declared: " +
+    throw unknown_variable("psx: " + where + " of unknown variable '" + std::string(name) + "' (declared: " +
                            (known.empty() ? "none" : known) + ")");
   }
 };

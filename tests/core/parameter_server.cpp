@@ -641,6 +641,24 @@ TEST_CASE("every misuse of the worker API raises a typed error naming the variab
   CHECK_THROWS_AS(ps.run([](psx::Worker&) {}), psx::shutdown_error);
 }
 
+TEST_CASE("what declare returns outlives later declarations; the cluster's own lookups name themselves") {
+  psx::ParameterServer<psx::partition::RowRange> ps({2, 1});
+  // It was a reference into the cluster's vector, which later declarations reallocated.
+  const auto& first = ps.declare(dense_w());
+  for (int k = 0; k < 40; ++k) ps.declare(psx::dense("extra" + std::to_string(k), {1}));
+  CHECK(first.meta.name == "w");
+  CHECK(first.meta.shape == std::vector<std::size_t>{kRows, kCols});
+  CHECK(first.shards.size() == 2);
+  CHECK(message_of<psx::unknown_variable>([&] { (void)ps.variable("nope"); })
+            .starts_with("psx: ParameterServer::variable of unknown variable 'nope' (declared: extra0, "));
+  CHECK(message_of<psx::unknown_variable>([&] { (void)ps.read("nope"); })
+            .starts_with("psx: ParameterServer::read of unknown variable 'nope'"));
+  CHECK(message_of<psx::unknown_variable>([&] { (void)ps.table_stats("nope"); })
+            .starts_with("psx: ParameterServer::table_stats of unknown variable 'nope'"));
+  CHECK(message_of<psx::unknown_variable>([&] { (void)ps.export_table("nope"); })
+            .starts_with("psx: ParameterServer::export_table of unknown variable 'nope'"));
+}
+
 TEST_CASE("a user partitioner whose placement does not tile the rows is refused at declaration") {
   struct Gappy {
     std::vector<psx::Shard> place(const psx::VariableMeta& v, std::size_t) const { return {{0, 1, v.rows}}; }
