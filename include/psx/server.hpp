@@ -86,6 +86,8 @@ class Server final : public RequestHandler {
   Server& operator=(const Server&) = delete;
 
   void handle(Request&& r) noexcept override {
+    const bool timed = peer_timeout_.count() > 0;
+    const time_point start = timed ? clock_type::now() : time_point{};
     count(requests_);
     std::exception_ptr error;
     try {
@@ -100,6 +102,7 @@ class Server final : public RequestHandler {
       r.finish(std::move(error));
     }
     note_waiting();
+    if (timed) deaf_ += clock_type::now() - start;
   }
 
   void drain(const ErrorFactory& make_error) noexcept override {
@@ -121,8 +124,9 @@ class Server final : public RequestHandler {
     for (const Request& r : parked_) waiting[r.worker] = true;
     for (const Request& r : barrier_) waiting[r.worker] = true;
     for (std::size_t w = 0; w < clocks_.size(); ++w) {
-      if (gone_[w] != Gone::no || waiting[w] || now - last_seen_[w] <= peer_timeout_) continue;
-      const auto silent = std::chrono::duration_cast<std::chrono::milliseconds>(now - last_seen_[w]);
+      const auto silence = now - deaf_ - last_seen_[w];
+      if (gone_[w] != Gone::no || waiting[w] || silence <= peer_timeout_) continue;
+      const auto silent = std::chrono::duration_cast<std::chrono::milliseconds>(silence);
       try {
         lose(w, "sent nothing for " + std::to_string(silent.count()) + " ms (peer timeout " +
                     std::to_string(peer_timeout_.count()) + " ms)");
@@ -309,8 +313,8 @@ class Server final : public RequestHandler {
     // Once the policy failed only inspection is served; a worker's leaving
     // or failing is still recorded (a server told to stop waits for that).
     if (failed() && !inspection && r.op != Op::leave && r.op != Op::fail)
-      throw peer_lost(failure_ + "; since then this cluster answers reads and stats only (to go on, make a new "
-                                 "ParameterServer and restore a checkpoint)");
+      std::rethrow_exception(failure_error(failure_ + "; since then this cluster answers reads and stats only (to go "
+                                                      "on, make a new ParameterServer and restore a checkpoint)"));
     if (failed() && r.op == Op::leave) {
       if (gone_[r.worker] == Gone::no) gone_[r.worker] = Gone::left;
       r.finish();
@@ -319,7 +323,7 @@ class Server final : public RequestHandler {
     if (!inspection && r.op != Op::join && gone_[r.worker] == Gone::lost)
       throw peer_lost("psx: server " + std::to_string(index_) + ": worker " + std::to_string(r.worker) +
                       " was declared lost earlier (" + lost_reason_[r.worker] + ") and is no longer served");
-    if (!inspection) last_seen_[r.worker] = clock_type::now();
+    if (!inspection) last_seen_[r.worker] = clock_type::now() - deaf_;
     switch (r.op) {
       case Op::pull:
       case Op::pull_rows:
@@ -865,6 +869,33 @@ class Server final : public RequestHandler {
 
   bool failed() const noexcept { return !failure_.empty(); }
 
+  // The error of a failed server: peer_lost (the policy gave up on a lost
+  // worker) or sync_error (a step could not be applied).
+  std::exception_ptr failure_error(const std::string& message) const {
+    return step_failed_ ? std::make_exception_ptr(sync_error(message)) : std::make_exception_ptr(peer_lost(message));
+  }
+
+  // An aggregated step that could not be applied (the policy's finish, the
+  // optimizer or the storage threw): its gradients are gone and the shard
+  // may be half updated, so the server stops training, as when the policy
+  // gives up on a lost worker: every waiting and later request gets the
+  // error (the request that completed the step may be a clock(), which no
+  // one waits for, and pulls parked for the step would wait for ever).
+  void fail_step(const ShardState& s, const StepProgress& step, std::exception_ptr error) {
+    std::string what = "an exception that is not a std::exception";
+    try {
+      std::rethrow_exception(error);
+    } catch (const std::exception& e) {
+      what = e.what();
+    } catch (...) {
+    }
+    failure_ = "psx: server " + std::to_string(index_) + ": step " + std::to_string(step.step) + " of variable '" +
+               s.var->meta.name + "' could not be applied (" + what + ")";
+    step_failed_ = true;
+    count(errors_);
+    fail_waiting([&] { return failure_error(failure_); });
+  }
+
   // One exception object per request: see Completion::wait.
   void fail_waiting(const ErrorFactory& make_error) noexcept {
     for (Request& r : parked_) r.finish(make_error());
@@ -885,7 +916,12 @@ class Server final : public RequestHandler {
           // this bounds the loop whatever the policy answers.
           if (step.contributors == 0 && s.applied_steps >= max_clock_) break;
           if (!sync_.step_complete(step, s.progress(), server_clock())) break;
-          apply_step(s, step);
+          try {
+            apply_step(s, step);
+          } catch (...) {
+            fail_step(s, step, std::current_exception());
+            return;
+          }
           ++s.applied_steps;
         }
       }
@@ -936,14 +972,20 @@ class Server final : public RequestHandler {
   std::vector<std::uint64_t> clocks_;
   std::unique_ptr<StagedRestore> staged_;  // a restore read but not yet applied
   std::vector<Gone> gone_;
+  // When each worker was last heard from, on a clock that stops while the
+  // server handles a request (deaf_: the time spent so): what a worker sent
+  // meanwhile waits unread, so a long update makes nobody silent.
   std::vector<time_point> last_seen_;
+  clock_type::duration deaf_{0};
   std::vector<std::string> lost_reason_;
   time_point last_tick_ = clock_type::now();
   std::uint64_t min_clock_ = 0;
   std::uint64_t max_clock_ = 0;
   std::size_t live_ = 0;
-  // Why the policy stopped serving (a peer_lost message); empty while serving.
+  // Why the server stopped training (a peer_lost message, or a sync_error
+  // one when step_failed_); empty while serving.
   std::string failure_;
+  bool step_failed_ = false;
   std::deque<Request> parked_;
   std::vector<Request> barrier_;
   detail::RowAccumulator scratch_;

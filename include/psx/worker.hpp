@@ -102,10 +102,7 @@ class Handle {
   void wait() {
     if (!done_) return;
     auto done = std::move(done_);
-    if (waiter_) waiter_(*done);
-    if (heartbeat_ && every_.count() > 0)
-      while (!done->wait_for(every_)) heartbeat_();
-    done->wait();
+    block(*done);
   }
   //! True once the call finished (or for an empty handle). Only looks: in a
   //! simulated cluster (transport::Simulated) time moves while workers
@@ -113,14 +110,21 @@ class Handle {
   bool ready() const { return !done_ || done_->ready(); }
 
  private:
+  // Waits as wait() does, heartbeats included (a handle dropped unwaited
+  // sent none, and another server declared its worker lost meanwhile).
   void settle() noexcept {
     if (!done_) return;
+    auto done = std::move(done_);
     try {
-      if (waiter_) waiter_(*done_);
-      done_->wait();
+      block(*done);
     } catch (...) {  // nobody asked for the result (or it can never come)
     }
-    done_.reset();
+  }
+  void block(Completion& done) const {
+    if (waiter_) waiter_(done);
+    if (heartbeat_ && every_.count() > 0)
+      while (!done.wait_for(every_)) heartbeat_();
+    done.wait();
   }
   std::shared_ptr<Completion> done_;
   Waiter waiter_;

@@ -10,11 +10,14 @@
 #include <array>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <deque>
 #include <future>
 #include <random>
+#include <span>
 #include <stdexcept>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -597,6 +600,71 @@ TEST_CASE("BSP: a worker that exits mid-step keeps its pushed gradient in the st
     w.step();
   });
   CHECK(ps.read("x")[0] == -6.0f);  // mean of 3, 6 and 9 over the 3 workers in the step
+}
+
+TEST_CASE("BSP: a step the optimizer cannot apply fails the cluster with sync_error, no pull waits for ever") {
+  // A user's optimizer that refuses a non-finite gradient. The step is
+  // applied when its last clock() arrives, which nobody waits for: the
+  // error went nowhere, the pulls of the next step waited for ever, and a
+  // later request retried the step without worker 0's (moved) gradient.
+  struct PickySGD {
+    std::size_t slots() const { return 0; }
+    void update(std::span<float> w, std::span<const float> g, const psx::SlotView&, const psx::UpdateContext&) const {
+      for (const float x : g)
+        if (!std::isfinite(x)) throw std::runtime_error("PickySGD: a non-finite gradient");
+      for (std::size_t i = 0; i < w.size(); ++i) w[i] -= g[i];
+    }
+  };
+  Watchdog dog("step apply failure");
+  psx::ParameterServer<psx::partition::RoundRobin, psx::sync::Synchronous, PickySGD> ps(
+      {1, 2}, {}, {psx::sync::Aggregate::sum}, {});
+  ps.declare(psx::dense("x", {1}, psx::Initializer::constant(0.5f)));
+  auto w0 = ps.worker(0), w1 = ps.worker(1);
+  std::vector<float> nan{std::nanf("")}, two{2.0f}, out(1);
+  w0.push("x", nan);
+  w1.push("x", two);
+  w0.step();
+  // Worker 0's pull waits on the server for step 0.
+  auto parked = std::async(std::launch::async, [&] { return message_of<psx::sync_error>([&] { w0.pull("x", out); }); });
+  while (ps.stats().waiting == 0) std::this_thread::sleep_for(1ms);
+  w1.step();  // completes the step, which throws on the server
+  const std::string expected =
+      "psx: server 0: step 0 of variable 'x' could not be applied (PickySGD: a non-finite gradient)";
+  CHECK(parked.get() == expected);
+  CHECK(message_of<psx::sync_error>([&] { w0.pull("x", out); }).starts_with(expected + "; since then"));
+  CHECK(message_of<psx::sync_error>([&] { w1.push("x", two); }).starts_with(expected));
+  CHECK(ps.read("x")[0] == 0.5f);  // reads still answered; nothing applied
+  CHECK(ps.stats().errors >= 1);
+}
+
+TEST_CASE("a worker waiting in a Handle's destructor sends heartbeats, as in wait()") {
+  // Server 0 takes 600 ms over worker 0's push while worker 1 waits in a
+  // barrier at server 1, whose peer timeout is 200 ms: worker 0, blocked in
+  // the destructor of the handle it dropped, must still be heard from.
+  struct SlowSGD {
+    std::size_t slots() const { return 0; }
+    void update(std::span<float> w, std::span<const float> g, const psx::SlotView&, const psx::UpdateContext&) const {
+      std::this_thread::sleep_for(600ms);
+      for (std::size_t i = 0; i < w.size(); ++i) w[i] -= g[i];
+    }
+  };
+  struct OnServer0 {
+    std::vector<psx::Shard> place(const psx::VariableMeta& v, std::size_t) const { return {{0, 0, v.rows}}; }
+  };
+  Watchdog dog("handle destructor heartbeats");
+  psx::ParameterServer<OnServer0, psx::sync::Asynchronous, SlowSGD> ps({2, 2, 200ms});
+  ps.declare(psx::dense("a", {4}));
+  std::atomic<int> passed{0};
+  ps.run([&](psx::Worker& w) {
+    if (w.index() == 0) {
+      const std::vector<float> g(4, 1.0f);
+      (void)w.push_async("a", g);  // dropped: its destructor waits
+    }
+    w.barrier();
+    ++passed;
+  });
+  CHECK(passed == 2);
+  CHECK(ps.read("a") == std::vector<float>(4, -1.0f));
 }
 
 TEST_CASE("a worker that stops responding is lost after the peer timeout") {
