@@ -17,6 +17,8 @@
 #include <cfloat>
 #include <cstddef>
 #include <cstdint>
+#include <limits>
+#include <string>
 
 namespace psx {
 inline namespace v0 {
@@ -260,6 +262,9 @@ inline void convert(const float16* in, float* out, std::size_t n, cudaStream_t s
 //! tensor takes stream-ordered scratch memory for the max.
 inline void quantize_int8(const float* x, std::size_t rows, std::size_t width, bool per_channel, std::int8_t* q,
                           float* scales, cudaStream_t stream = 0) {
+  if (width != 0 && rows > std::numeric_limits<std::size_t>::max() / width)
+    throw shape_error("psx::cuda::quantize_int8: a " + std::to_string(rows) + " x " + std::to_string(width) +
+                      " tensor has more values than a size_t counts");
   const std::size_t n = rows * width;
   if (per_channel) {
     if (rows == 0) return;

@@ -12,7 +12,9 @@
 #include <cuda_runtime.h>
 
 #include <cstddef>
+#include <limits>
 #include <span>
+#include <stdexcept>
 #include <string>
 #include <string_view>
 #include <type_traits>
@@ -45,6 +47,9 @@ class buffer {
   //! Allocates `n` elements.
   explicit buffer(std::size_t n) : size_(n) {
     if (n == 0) return;
+    if (n > std::numeric_limits<std::size_t>::max() / sizeof(T))
+      throw std::length_error("psx::cuda::buffer: " + std::to_string(n) + " elements of " + std::to_string(sizeof(T)) +
+                              " bytes are more bytes than a size_t counts");
     void* p = nullptr;
     check(cudaMalloc(&p, n * sizeof(T)), "cudaMalloc of " + std::to_string(n * sizeof(T)) + " bytes");
     data_ = static_cast<T*>(p);

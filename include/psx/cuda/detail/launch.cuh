@@ -47,9 +47,11 @@ inline unsigned grid_for(std::size_t work, int per_sm = blocks_per_sm) {
 inline bool aligned16(const void* p) noexcept { return (reinterpret_cast<std::uintptr_t>(p) & 15u) == 0; }
 
 // Element arithmetic with each operation rounded to nearest even on its own,
-// as the CPU (SSE, no FMA) rounds it: the `__f*_rn` intrinsics are never
-// contracted into fused multiply-adds and ignore `-use_fast_math`, so the
-// device results equal `psx/optim.hpp`'s bit for bit whatever the user's flags.
+// as the CPU rounds it (psx::psx compiles the host with -ffp-contract=off):
+// the `__f*_rn` intrinsics are never contracted into fused multiply-adds, so
+// the device results equal `psx/optim.hpp`'s bit for bit. Not under
+// `-ftz=true` (which `-use_fast_math` implies): it flushes subnormal inputs
+// and results of these too, where the CPU keeps them.
 namespace fp {
 __device__ __forceinline__ float add(float a, float b) { return __fadd_rn(a, b); }
 __device__ __forceinline__ float sub(float a, float b) { return __fsub_rn(a, b); }
