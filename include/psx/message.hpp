@@ -270,9 +270,14 @@ class RequestHandler {
     undelivered,  //!< an answer whose worker was gone when it was sent
   };
   virtual void link_event(LinkEvent e) noexcept = 0;
-  //! False once worker `w` has left or been lost: a server told to stop
-  //! stops when no worker it heard from is active.
-  virtual bool worker_active(std::size_t w) const noexcept = 0;
+  //! Where worker `w` stands: a server told to stop stops when no worker
+  //! it heard from is active, and a chief that left is done, not lost.
+  enum class WorkerState : std::uint8_t {
+    active,  //!< training (or not yet heard from)
+    left,    //!< its function returned (Worker::leave)
+    lost,    //!< it failed, or went silent for the peer timeout
+  };
+  virtual WorkerState worker_state(std::size_t w) const noexcept = 0;
 
  protected:
   ~RequestHandler() = default;

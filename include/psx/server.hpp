@@ -159,7 +159,10 @@ class Server final : public RequestHandler {
 
   void link_event(LinkEvent e) noexcept override { count(e == LinkEvent::rejected ? rejected_ : undelivered_); }
 
-  bool worker_active(std::size_t w) const noexcept override { return w < gone_.size() && gone_[w] == Gone::no; }
+  WorkerState worker_state(std::size_t w) const noexcept override {
+    if (w >= gone_.size() || gone_[w] == Gone::no) return WorkerState::active;
+    return gone_[w] == Gone::left ? WorkerState::left : WorkerState::lost;
+  }
 
   //! This server's part of dynamic table `variable` (a declaration index),
   //! or null; safe to use from any thread while the server runs.

@@ -303,7 +303,7 @@ struct NotingHandler final : psx::RequestHandler {
     events += 't';
   }
   void link_event(LinkEvent) noexcept override {}
-  bool worker_active(std::size_t) const noexcept override { return true; }
+  WorkerState worker_state(std::size_t) const noexcept override { return WorkerState::active; }
   clock_type::time_point due_at = clock_type::time_point::max();
 };
 

@@ -588,6 +588,133 @@ TEST_CASE("zmq: a server restarted on the same endpoint is reconnected to") {
   second.thread.join();
 }
 
+namespace {
+
+// A worker played by a raw DEALER: hello, join and heartbeats as a psx
+// worker sends them, then silence (it died: no leave, no stop).
+struct RawWorker {
+  zmq::context_t ctx;
+  zmq::socket_t sock{ctx, zmq::socket_type::dealer};
+  std::uint32_t index;
+  std::uint64_t fingerprint;
+  RawWorker(const std::string& endpoint, std::uint32_t worker, std::uint64_t fp, std::uint32_t workers)
+      : index(worker), fingerprint(fp) {
+    sock.set(zmq::sockopt::linger, 0);
+    sock.connect(endpoint);
+    const auto h = wire::encode_hello({fp, worker, workers, 1});
+    sock.send(zmq::buffer(h.data(), h.size()));
+    std::vector<zmq::message_t> welcome;
+    REQUIRE(zmq::recv_multipart(sock, std::back_inserter(welcome)));
+    send(psx::Op::join, 1);
+  }
+  void send(psx::Op op, std::uint64_t call = 0) {
+    psx::Request r;
+    r.op = op;
+    r.worker = index;
+    std::vector<wire::Segment> segs;
+    const auto h = wire::encode_request(r, {call, fingerprint, wire::max_chunk_bytes}, segs);
+    sock.send(zmq::buffer(h.data(), h.size()));
+  }
+};
+
+}  // namespace
+
+TEST_CASE("zmq: a server stops when the chief dies while others wait, and when a worker died before the stop") {
+  psx_test::Watchdog dog("zmq dead peers", std::chrono::seconds(120));
+  using namespace std::chrono_literals;
+  auto declare = [](auto& ps) { ps.declare(psx::dense("w", {100}, psx::Initializer::constant(1.0f))); };
+  auto fingerprint_of = [&](auto sync) {
+    psx::ParameterServer<psx::partition::RowRange, decltype(sync), psx::optim::SGD> ps({1, 2}, {}, {}, {0.1f});
+    declare(ps);
+    return wire::fingerprint(1, 2, ps.variables());
+  };
+  const psx::ClusterConfig config{1, 2, 400ms};
+  SUBCASE("the chief dies while worker 1 waits on its step: the server stops with peer_lost") {
+    // When the server itself declared the chief lost (worker 1's pull waits
+    // on it) before its loop saw the silence, the loop took that for a chief
+    // that had left and served on for ever: a race, which a run catches
+    // about once in four without the fix; five runs.
+    using Sync = ZmqCluster<psx::partition::RowRange, psx::sync::Synchronous, psx::optim::SGD>;
+    for (int trial = 0; trial < 5; ++trial) {
+      TempDir dir;
+      const ClusterSpec c = spec(1, 2, false, dir.path);
+      std::atomic<bool> ended{false};
+      std::string how;
+      std::thread server([&] {
+        Sync ps(config, {}, {}, {0.1f}, settings(c, "ps", 0, dir.path));
+        declare(ps);
+        try {
+          ps.run([](psx::Worker&) {});
+          how = "returned";
+        } catch (const psx::peer_lost& e) {
+          how = e.what();
+        }
+        ended = true;
+      });
+      std::thread worker1([&] {
+        Sync w(config, {}, {}, {0.1f}, settings(c, "worker", 0, dir.path));
+        declare(w);
+        try {
+          w.run([](psx::Worker& wk) {
+            std::vector<float> v(100), g(100, 1.0f);
+            wk.pull("w", v);
+            wk.push("w", g);
+            wk.step();
+            wk.pull("w", v);  // waits for the chief's step 0, which never comes
+          });
+        } catch (const psx::error&) {  // the chief was lost: expected
+        }
+      });
+      {
+        RawWorker chief(published_endpoint(dir.path), 0, fingerprint_of(psx::sync::Synchronous{}), 2);
+        for (int k = 0; k < 6; ++k) {
+          chief.send(psx::Op::heartbeat);
+          std::this_thread::sleep_for(100ms);
+        }
+      }  // the chief dies
+      const auto died = std::chrono::steady_clock::now();
+      while (!ended && std::chrono::steady_clock::now() - died < 10s) std::this_thread::sleep_for(10ms);
+      CHECK_MESSAGE(ended.load(), "trial " << trial << ": the server still serves 10 s after the chief died");
+      server.join();
+      worker1.join();
+      CHECK(how.find("the chief (worker 0) sent nothing for") != std::string::npos);
+    }
+  }
+  SUBCASE("worker 1 died, then the chief finished and said stop: the server stops after the peer timeout") {
+    // After the stop nobody waits on progress, so the server loses no
+    // silent worker itself, and the dead one kept it serving for ever.
+    using Async = ZmqCluster<psx::partition::RowRange, psx::sync::Asynchronous, psx::optim::SGD>;
+    TempDir dir;
+    const ClusterSpec c = spec(1, 2, false, dir.path);
+    std::atomic<bool> ended{false};
+    std::thread server([&] {
+      Async ps(config, {}, {}, {0.1f}, settings(c, "ps", 0, dir.path));
+      declare(ps);
+      ps.run([](psx::Worker&) {});
+      ended = true;
+    });
+    {
+      RawWorker w1(published_endpoint(dir.path), 1, fingerprint_of(psx::sync::Asynchronous{}), 2);
+      w1.send(psx::Op::heartbeat);
+      std::this_thread::sleep_for(100ms);
+    }  // worker 1 dies
+    {
+      Async chief(config, {}, {}, {0.1f}, settings(c, "chief", 0, dir.path));
+      declare(chief);
+      chief.run([](psx::Worker& w) {
+        std::vector<float> v(100), g(100, 1.0f);
+        w.pull("w", v);
+        w.push("w", g);
+        w.step();
+      });
+    }  // stop sent
+    const auto stopped = std::chrono::steady_clock::now();
+    while (!ended && std::chrono::steady_clock::now() - stopped < 10s) std::this_thread::sleep_for(10ms);
+    CHECK_MESSAGE(ended.load(), "the server still serves 10 s after the chief's stop");
+    server.join();
+  }
+}
+
 TEST_CASE("wire: sizes whose frame arithmetic would overflow are refused before anything is allocated") {
   // A push_rows item of one id whose gradient count claims 2^62 - 1 floats:
   // 2^64 - 4 bytes, which must not wrap into "no frames needed".

@@ -97,10 +97,10 @@ inline TfAddress parse_tf_address(std::string_view address) {
                                                                               : std::string_view();
     // Hex digits, ':' and '.' (an embedded IPv4 address), then maybe a
     // zone: '%' and an interface's name ("fe80::1%br-lan").
-    const std::string_view address = inner.substr(0, inner.find('%'));
-    const std::string_view zone = address.size() < inner.size() ? inner.substr(address.size() + 1) : "-";
-    bool ok = address.find(':') != std::string_view::npos && !zone.empty();
-    for (const char c : address) ok = ok && (std::isxdigit(static_cast<unsigned char>(c)) || c == ':' || c == '.');
+    const std::string_view ip = inner.substr(0, inner.find('%'));
+    const std::string_view zone = ip.size() < inner.size() ? inner.substr(ip.size() + 1) : "-";
+    bool ok = ip.find(':') != std::string_view::npos && !zone.empty();
+    for (const char c : ip) ok = ok && (std::isxdigit(static_cast<unsigned char>(c)) || c == ':' || c == '.');
     for (const char c : zone) ok = ok && c != '%' && c != '[' && c != ']';
     if (!ok) {
       out.problem = "the host \"" + std::string(out.host) + "\" is not a bracketed IPv6 address such as \"[::1]\"";

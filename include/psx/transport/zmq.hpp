@@ -713,6 +713,7 @@ class Zmq::link_type {
         : l_(link),
           h_(h),
           seen_(link.ctx_.num_workers, false),
+          last_heard_(link.ctx_.num_workers),
           name_("ps task " + std::to_string(*link.server_index_)) {
       for (std::uint32_t w = 0; w < link.ctx_.num_workers; ++w) senders_.push_back(sender_text(w));
     }
@@ -770,8 +771,11 @@ class Zmq::link_type {
     bool chief_lost(clock::time_point now) {
       const auto timeout = l_.ctx_.peer_timeout;
       // A chief that said stop or left is done, not lost: the others may
-      // train on for longer than the timeout.
-      if (timeout.count() <= 0 || stop_ || (chief_seen_ && !h_.worker_active(0))) return false;
+      // train on for longer than the timeout. One the server declared lost
+      // (it went silent while others waited) is lost here too, as its
+      // silence tells.
+      using State = RequestHandler::WorkerState;
+      if (timeout.count() <= 0 || stop_ || (chief_seen_ && h_.worker_state(0) == State::left)) return false;
       std::string why;
       if (!chief_seen_ && now - started_ > std::max<clock::duration>(l_.settings_.start_timeout, timeout))
         why =
@@ -786,20 +790,33 @@ class Zmq::link_type {
       return true;
     }
 
-    // After the chief's stop: every worker that spoke has left or been lost,
-    // and one that never spoke had start_timeout to appear.
+    // After the chief's stop: every worker that spoke has left, been lost,
+    // or (with a peer timeout) gone silent for it: after the stop nobody
+    // waits on progress, so the server loses no silent worker itself, and
+    // one that died would keep this process serving for ever. One that
+    // never spoke had start_timeout to appear.
     bool done_serving() const {
-      const bool late = clock::now() - started_ > l_.settings_.start_timeout;
-      for (std::size_t w = 0; w < seen_.size(); ++w)
-        if (seen_[w] ? h_.worker_active(w) : !late) return false;
+      const auto now = clock::now();
+      const bool late = now - started_ > l_.settings_.start_timeout;
+      const auto timeout = l_.ctx_.peer_timeout;
+      for (std::size_t w = 0; w < seen_.size(); ++w) {
+        if (!seen_[w]) {
+          if (!late) return false;
+          continue;
+        }
+        const bool silent = timeout.count() > 0 && now - last_heard_[w] > timeout;
+        if (h_.worker_state(w) == RequestHandler::WorkerState::active && !silent) return false;
+      }
       return true;
     }
 
     void heard_from(std::uint32_t worker) {
-      if (worker < seen_.size()) seen_[worker] = true;
+      if (worker >= seen_.size()) return;
+      seen_[worker] = true;
+      last_heard_[worker] = clock::now();
       if (worker != 0) return;
       chief_seen_ = true;
-      chief_last_ = clock::now();
+      chief_last_ = last_heard_[worker];
     }
 
     // "ps task S: a message from worker W", the context of a request's
@@ -1009,6 +1026,7 @@ class Zmq::link_type {
     std::vector<bool> seen_;
     const clock::time_point started_ = clock::now();
     bool stop_ = false;
+    std::vector<clock::time_point> last_heard_;  // per worker, by heard_from
     bool chief_seen_ = false;
     clock::time_point chief_last_{};
     const std::string name_;  // "ps task S"
