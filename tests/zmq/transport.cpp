@@ -436,6 +436,34 @@ TEST_CASE("zmq: a refused request's answer names the server and the sender, a wo
   CHECK(server.stats.rejected >= 3);
 }
 
+TEST_CASE("zmq: a message over the server's max_message_bytes is answered with wire_error, not dropped") {
+  // The server's socket refused frames above max_message_bytes itself:
+  // libzmq dropped the connection, nobody answered, and the worker's push
+  // waited for ever (its pongs kept the server looking alive).
+  psx_test::Watchdog dog("zmq message limit", std::chrono::seconds(60));
+  TempDir dir;
+  const ClusterSpec c = spec(1, 1, false, dir.path);
+  ServerThread server(c, dir.path, 1, [](auto& ps) { declare_fuzz(ps); },
+                      [](Zmq& z) { z.limits.max_message_bytes = 2048; });
+  {
+    ZmqCluster<psx::partition::HashByName, psx::sync::Synchronous, psx::optim::SGD> chief(
+        {1, 1, std::chrono::milliseconds(1000)}, {}, {}, psx::optim::SGD{0.05f}, settings(c, "chief", 0, dir.path));
+    declare_fuzz(chief);
+    chief.run([](psx::Worker& w) {
+      std::vector<float> small(8, 1.0f), big(1000, 1.0f);
+      const std::vector<std::uint64_t> ids{3};
+      w.push_rows("emb", ids, small);  // 8 floats: within the limit
+      const std::string m = psx_test::message_of<psx::wire_error>([&] { w.push("w", big); });  // 4000 bytes
+      CHECK(m.find("message is over the limit of 2048 bytes") != std::string::npos);
+      w.push_rows("emb", ids, small);  // the server still serves
+    });
+  }
+  server.thread.join();
+  REQUIRE_FALSE(server.error);
+  CHECK(server.stats.rejected == 1);
+  CHECK(server.stats.pushes == 2);
+}
+
 TEST_CASE("zmq: a peer of another wire version is refused at the handshake, naming both versions") {
   psx_test::Watchdog dog("zmq version refusal");
   TempDir dir;

@@ -634,11 +634,13 @@ class Zmq::link_type {
         throw config_error("psx: ps task " + std::to_string(s) + ": libzmq refuses the Curve server key: " + e.what());
       }
     }
-    // Frames above the largest chunk are refused by libzmq before they are
-    // allocated (the wire checks the rest).
-    router_.set(zmq::sockopt::maxmsgsize,
-                static_cast<std::int64_t>(
-                    std::min<std::uint64_t>(settings_.limits.max_message_bytes, ::psx::detail::wire::max_chunk_bytes)));
+    // Frames above the largest chunk (and CURVE's 33 bytes around it, which
+    // libzmq counts) are refused by libzmq before they are allocated; it
+    // drops the connection, with no answer. Everything within that reaches
+    // the wire's checks, Limits::max_message_bytes among them, which answer
+    // with a wire_error (a smaller libzmq limit left a worker whose message
+    // was over max_message_bytes waiting for ever).
+    router_.set(zmq::sockopt::maxmsgsize, static_cast<std::int64_t>(::psx::detail::wire::max_chunk_bytes + 64));
     const std::string endpoint = zmq_endpoint(address);
     if (detail_zmq::ipv6(endpoint)) router_.set(zmq::sockopt::ipv6, 1);
     try {
