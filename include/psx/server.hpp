@@ -358,6 +358,11 @@ class Server final : public RequestHandler {
       case Op::barrier:
         if (!r.items.empty() && (r.items.size() != 1 || r.items[0].out.size() != 2))
           throw wire_error("psx: " + where(r) + ": a barrier carries no item, or one answer of 2 floats");
+        // The barrier waits for the workers still training: one that left
+        // would stand in for one of them and let it through early.
+        if (gone_[r.worker] == Gone::left)
+          throw sync_error("psx: server " + std::to_string(index_) + ": a barrier from worker " +
+                           std::to_string(r.worker) + ", which has left the cluster (Worker::leave)");
         barrier_.push_back(std::move(r));
         release_barrier();
         return;

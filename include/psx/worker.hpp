@@ -374,7 +374,7 @@ class Worker {
   //! often. Every server takes part, so every request a worker sent before
   //! its barrier has reached its server when the barrier returns (even
   //! between processes, where only messages from one worker to one server
-  //! keep their order).
+  //! keep their order). A worker that has left (`leave()`) gets sync_error.
   void barrier() {
     check_running("barrier");
     call_every_server(Op::barrier, clock());

@@ -935,6 +935,20 @@ TEST_CASE("workers on threads of one's own leave explicitly") {
   CHECK(ps.read("x")[0] == -3.0f);  // step 0: mean of 1 and 1; steps 1, 2: worker 1 alone
 }
 
+TEST_CASE("a worker that left cannot enter a barrier (it would let a worker still training through early)") {
+  Watchdog dog("barrier after leave");
+  psx::ParameterServer<> ps({2, 3});
+  ps.declare(psx::dense("x", {4}));
+  auto w0 = ps.worker(0), w1 = ps.worker(1), w2 = ps.worker(2);
+  w0.leave();
+  const std::string m = message_of<psx::sync_error>([&] { w0.barrier(); });  // from either server
+  CHECK((m == "psx: server 0: a barrier from worker 0, which has left the cluster (Worker::leave)" ||
+         m == "psx: server 1: a barrier from worker 0, which has left the cluster (Worker::leave)"));
+  std::thread t1([&] { w1.barrier(); });
+  w2.barrier();  // the two still training meet
+  t1.join();
+}
+
 namespace {
 // A server driven by hand, as a transport between processes would drive it.
 template <class Sync = psx::sync::Synchronous>
