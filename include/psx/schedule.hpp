@@ -205,12 +205,13 @@ namespace optim {
 
 //! Optimizer `O` with its learning rate scaled by schedule `S` at the
 //! update's global step: `ctx.lr_scale *= schedule(ctx.global_step - 1)`.
-//! Slots, initial slots and validation are O's.
+//! Slots, initial slots, validation and whether row pushes are taken are O's.
 template <Optimizer O, Schedule S>
 struct Scheduled {
   O optimizer{};
   S schedule{};
 
+  static constexpr bool accepts_rows = psx::accepts_rows<O>();
   std::size_t slots() const noexcept { return optimizer.slots(); }
   float initial_slot(std::size_t k) const { return psx::initial_slot(optimizer, k); }
   void validate(const VariableMeta& v, std::size_t shards) const {

@@ -408,6 +408,25 @@ TEST_CASE("optim: optimizers refuse what they cannot do, at declare") {
           psx::ParameterServer<psx::partition::HashByName, psx::sync::Synchronous, Lamb> ps({2, 1}, {}, {}, Lamb{});
           ps.declare(psx::sparse("emb", 100, 8));
         }) == "psx: optim::Lamb: variable 'emb' is sparse; LAMB's trust ratio is per layer and a row is not one");
+  // A schedule keeps LAMB's refusal of row pushes (it applied a trust
+  // ratio per row, and took dynamic tables).
+  {
+    using ScheduledLamb = psx::optim::Scheduled<Lamb, psx::schedule::Cosine>;
+    static_assert(!psx::accepts_rows<ScheduledLamb>());
+    CHECK(message_of<psx::config_error>([] {
+            psx::ParameterServer<psx::partition::HashByName, psx::sync::Synchronous, ScheduledLamb> ps({2, 1});
+            ps.declare(psx::embedding("emb", 8));
+          }) == "psx: dynamic table 'emb': the optimizer does not apply row pushes");
+    psx::ParameterServer<psx::partition::HashByName, psx::sync::Asynchronous, ScheduledLamb> ps(
+        {1, 1}, {}, {}, ScheduledLamb{{.lr = 0.1}, {.decay_steps = 10}});
+    ps.declare(psx::dense("w", {2, 2}, psx::Initializer::constant(1.0f)));
+    auto w = ps.worker(0);
+    const std::vector<std::uint64_t> row{0};
+    const std::vector<float> g{1.0f, 0.0f};
+    CHECK(message_of<psx::config_error>([&] { w.push_rows("w", row, g); }).find("does not apply row pushes") !=
+          std::string::npos);
+    CHECK(ps.read("w") == std::vector<float>(4, 1.0f));
+  }
   CHECK(message_of<psx::config_error>([] {
           psx::ParameterServer<psx::partition::HashByName, psx::sync::Synchronous, psx::optim::SGD> ps(
               {1, 1}, {}, {}, psx::optim::SGD{.lr = 0.1, .nesterov = true});
