@@ -31,7 +31,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
-#include <numeric>
+#include <functional>
 #include <ostream>
 #include <span>
 #include <string>
@@ -123,23 +123,27 @@ struct Pruned {
   }
 
  private:
-  // Masks the floor(sparsity * n) smallest |w| (ties by position), keeps the rest.
+  // As TensorFlow Model Optimization's `_update_mask`: keeps the
+  // k = max(round(n * (1 - sparsity)), 1) largest |w| (in float32, halves
+  // to even) and every weight as large as the k-th (ties at the threshold
+  // are kept, so equal weights are never told apart); masks the rest. A
+  // NaN counts as the largest (kept).
   static void remask(std::span<const float> w, std::span<float> mask, double sparsity) {
-    const auto k = static_cast<std::size_t>(std::floor(sparsity * static_cast<double>(w.size())));
     std::fill(mask.begin(), mask.end(), 1.0f);
-    if (k == 0) return;
-    std::vector<std::size_t> order(w.size());
-    std::iota(order.begin(), order.end(), std::size_t{0});
-    auto magnitude = [&](std::size_t i) {  // NaN ranks last (kept), so the order stays strict
-      const float a = std::fabs(w[i]);
+    auto magnitude = [](float x) {
+      const float a = std::fabs(x);
       return std::isnan(a) ? INFINITY : a;
     };
-    auto smaller = [&](std::size_t a, std::size_t b) {
-      const float x = magnitude(a), y = magnitude(b);
-      return x < y || (x == y && a < b);
-    };
-    std::nth_element(order.begin(), order.begin() + static_cast<std::ptrdiff_t>(k - 1), order.end(), smaller);
-    for (std::size_t i = 0; i < k; ++i) mask[order[i]] = 0.0f;
+    const float kept = std::nearbyint(static_cast<float>(w.size()) * (1.0f - static_cast<float>(sparsity)));
+    const std::size_t keep = std::max<std::size_t>(1, static_cast<std::size_t>(kept));
+    if (keep >= w.size()) return;
+    std::vector<float> largest(w.size());
+    std::transform(w.begin(), w.end(), largest.begin(), magnitude);
+    std::nth_element(largest.begin(), largest.begin() + static_cast<std::ptrdiff_t>(keep - 1), largest.end(),
+                     std::greater<float>());
+    const float threshold = largest[keep - 1];
+    for (std::size_t i = 0; i < w.size(); ++i)
+      if (magnitude(w[i]) < threshold) mask[i] = 0.0f;
   }
 };
 

@@ -281,6 +281,35 @@ TEST_CASE("pruning: the polynomial decay schedule follows TensorFlow Model Optim
   CHECK_THROWS_AS((psx::optim::PolynomialDecaySparsity{.begin_step = 5, .end_step = 5}.validate()), psx::config_error);
 }
 
+TEST_CASE("pruning: how many weights go, and ties at the threshold, as TensorFlow Model Optimization") {
+  // One update at a step the schedule prunes at, at sparsity s throughout;
+  // returns the weights after it.
+  auto prune = [](std::vector<float> w, double s) {
+    using Opt = psx::optim::Pruned<psx::optim::SGD>;
+    const Opt opt{.optimizer = {0.0},
+                  .schedule = {.initial_sparsity = s, .final_sparsity = s, .begin_step = 0, .end_step = 10, .frequency = 1}};
+    psx::VariableMeta meta;
+    meta.name = "w";
+    const std::vector<float> g(w.size(), 0.0f);
+    std::vector<float> mask(w.size(), 1.0f);
+    float* bases[] = {mask.data()};
+    opt.update(w, g, psx::SlotView(bases, 1, 0, w.size()), psx::UpdateContext{1, 1.0, &meta, 1, false});
+    return w;
+  };
+  auto zeros = [](const std::vector<float>& v) { return std::count(v.begin(), v.end(), 0.0f); };
+  std::vector<float> hundred(100);
+  for (std::size_t i = 0; i < hundred.size(); ++i) hundred[i] = static_cast<float>(100 - i);
+  // k = max(round(n * (1 - s)), 1) kept, in float32 with halves to even; it
+  // pruned floor(s * n), which 0.57 * 100 = 56.99999999999999 cut to 56.
+  CHECK(zeros(prune(hundred, 0.57)) == 57);
+  CHECK(zeros(prune({5, 4, 3, 2, 1}, 0.5)) == 3);     // keeps round(2.5) = 2
+  CHECK(zeros(prune({6, 5, 4, 3, 2, 1}, 0.25)) == 2);  // keeps round(4.5) = 4
+  CHECK(zeros(prune({1, 2, 3}, 0.99)) == 2);           // keeps at least 1
+  // The smallest go; every weight as large as the k-th stays, ties included.
+  CHECK(prune({1, -5, 3, 2, -3, 4}, 0.5) == std::vector<float>{0, -5, 3, 0, -3, 4});
+  CHECK(zeros(prune(std::vector<float>(8, 0.5f), 0.5)) == 0);  // all tied: none pruned (it pruned 4 by position)
+}
+
 TEST_CASE("pruning: during training the smallest weights go to zero and stay there; the export stores them sparsely") {
   psx_test::Watchdog dog("pruning");
   TempDir base("pruned");
