@@ -18,6 +18,10 @@
 
 namespace psx_test {
 
+// The calling thread's n-th allocation from now (0: the next) throws
+// std::bad_alloc; -1 turns it off (tests/main.cpp replaces operator new).
+void fail_allocation(long n) noexcept;
+
 // A gradient that depends on the value pulled, the worker, the step and the
 // element (toy_step's usual `grad`).
 inline float toy_grad(float value, std::size_t worker, std::size_t step, std::size_t i) {

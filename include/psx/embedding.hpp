@@ -59,6 +59,7 @@
 #include <shared_mutex>
 #include <span>
 #include <string>
+#include <tuple>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -700,8 +701,12 @@ class DynamicTable {
   std::size_t stripe_of(std::uint64_t h) const noexcept { return stripe_shift_ == 64 ? 0 : h >> stripe_shift_; }
   Stripe& stripe(std::uint64_t h) const noexcept { return stripes_[stripe_of(h)]; }
 
+  // Raises the LRU clock to `step`, never lowers it (pulls of several
+  // threads at other steps race here).
   static void touch(std::atomic<std::uint64_t>& used, std::uint64_t step) noexcept {
-    if (used.load(std::memory_order_relaxed) < step) used.store(step, std::memory_order_relaxed);
+    std::uint64_t seen = used.load(std::memory_order_relaxed);
+    while (seen < step && !used.compare_exchange_weak(seen, step, std::memory_order_relaxed)) {
+    }
   }
 
   // A record: the row's RowMeta, then its parameters and slots, so one
@@ -785,6 +790,8 @@ class DynamicTable {
     const auto first = static_cast<std::uint64_t>(st.chunks.size()) * chunk_rows_;
     if (first + chunk_rows_ > empty_slot)
       throw std::length_error("psx: dynamic table '" + name_ + "': more than 2^32 - 1 rows in one stripe");
+    st.free.reserve(st.free.size() + chunk_rows_);  // nothing below throws once the chunk is kept
+    st.chunks.reserve(st.chunks.size() + 1);
     st.chunks.push_back(std::make_unique<std::byte[]>(std::size_t{chunk_rows_} * stride_));
     for (std::uint32_t k = 0; k < chunk_rows_; ++k)
       new (st.chunks.back().get() + std::size_t{k} * stride_) RowMeta{};
@@ -807,7 +814,12 @@ class DynamicTable {
 
   // Removes stored `id`: backward-shift deletion keeps every probe chain
   // unbroken without tombstones; the removal is versioned and remembered.
+  // Its log entry is made first: a bad_alloc then leaves the row stored (a
+  // removal made but not logged was missing from every later delta).
   void erase(Stripe& st, std::uint64_t id) {
+    std::unordered_map<std::uint64_t, std::uint64_t>::iterator logged;
+    bool fresh = false;
+    if (options_.removal_log_limit != 0) std::tie(logged, fresh) = st.removed.try_emplace(id, 0);
     const std::size_t mask = st.index.size() - 1;
     std::size_t i = hash(id) & mask;
     while (st.index[i].key != id || st.index[i].slot == empty_slot) i = (i + 1) & mask;
@@ -829,8 +841,14 @@ class DynamicTable {
       st.removed_floor = v;
       return;
     }
-    if (st.removed.insert_or_assign(id, v).second) add_removal(1);
-    if (st.removed.size() > removal_limit_) forget_removals(st);
+    logged->second = v;
+    if (fresh) add_removal(1);
+    if (st.removed.size() > removal_limit_) {
+      try {
+        forget_removals(st);
+      } catch (...) {  // no memory to sort the log: it stays longer than its limit until the next removal
+      }
+    }
   }
 
   // Forgets the older half of a stripe's removal log.
