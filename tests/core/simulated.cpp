@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <future>
 #include <random>
 #include <span>
 #include <string>
@@ -259,11 +260,15 @@ TEST_CASE("shutting a simulated cluster down releases its waiting workers") {
   // Worker 1 is driven from a thread the link does not know of: worker 0's
   // pull of step 1 waits for it, with no deadlock verdict, until shutdown.
   psx::Worker w0 = ps.worker(0);
+  std::promise<void> stepped;
   std::thread t([&] {
     std::vector<float> v(4);
     w0.step();
-    CHECK_THROWS_AS(w0.pull("v", v), psx::shutdown_error);
+    stepped.set_value();
+    CHECK_THROWS_AS(w0.pull("v", v), psx::shutdown_error);  // waiting, or (late) refused: either way released
   });
+  // Not before the step: a step() after shutdown threw outside any check.
+  stepped.get_future().wait();
   std::this_thread::sleep_for(std::chrono::milliseconds(50));
   ps.shutdown();
   t.join();

@@ -65,8 +65,16 @@ int run(const Flags& f, const O& optimizer) {
     psx_zmq_test::declare(cluster);
     cluster.run([&](psx::Worker& w) {
       if (!f.restore.empty()) psx::checkpoint::restore(cluster, w, f.restore);
+      bool said = false;
       psx_zmq_test::train_for(w, f.steps, [&] {
-        if (f.pause_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(f.pause_ms));
+        if (f.pause_ms <= 0) return;
+        // Paced (the fault tests): say so once training runs, for faults.sh to wait on.
+        if (!said && w.clock() >= 2) {
+          std::printf("%s: training\n", role.c_str());
+          std::fflush(stdout);
+          said = true;
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(f.pause_ms));
       });
       if (!f.save.empty()) {
         const auto info = psx::checkpoint::save(cluster, w, f.save);
