@@ -35,6 +35,10 @@
 #include <psx/checkpoint.hpp>
 #include <psx/export.hpp>
 
+#ifndef PSX_LIBFUZZER
+#include "../replace_new.hpp"  // the driver bounds every allocation (psx_test::allocate, below)
+#endif
+
 #include <unistd.h>
 
 #include <algorithm>
@@ -431,19 +435,13 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
 // -malloc_limit_mb; the driver replaces operator new.
 namespace {
 constexpr std::size_t kMaxAllocation = std::size_t{64} << 20;  // inputs here are at most 1 MiB
-void* allocate(std::size_t n) {
+}  // namespace
+
+void* psx_test::allocate(std::size_t n) {
   if (n > kMaxAllocation) bug("an allocation of " + std::to_string(n) + " bytes");
   if (void* p = std::malloc(n ? n : 1)) return p;
   throw std::bad_alloc();
 }
-}  // namespace
-
-void* operator new(std::size_t n) { return allocate(n); }
-void* operator new[](std::size_t n) { return allocate(n); }
-void operator delete(void* p) noexcept { std::free(p); }
-void operator delete[](void* p) noexcept { std::free(p); }
-void operator delete(void* p, std::size_t) noexcept { std::free(p); }
-void operator delete[](void* p, std::size_t) noexcept { std::free(p); }
 
 namespace {
 
