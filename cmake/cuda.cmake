@@ -18,6 +18,9 @@ add_library(psx_cuda INTERFACE)
 add_library(psx::cuda ALIAS psx_cuda)
 set_target_properties(psx_cuda PROPERTIES EXPORT_NAME cuda)
 target_link_libraries(psx_cuda INTERFACE psx CUDA::cudart)
+# The host code of CUDA sources (the CPU references of the kernel tests among
+# it) with no fused multiply-adds either, as psx::psx compiles C++.
+target_compile_options(psx_cuda INTERFACE $<$<COMPILE_LANGUAGE:CUDA>:-Xcompiler=-ffp-contract=off>)
 # CMake before 3.26 does not know nvcc's C++20 flag: then only our own
 # targets get it, below, and users set -std=c++20 for their CUDA sources.
 if("cuda_std_20" IN_LIST CMAKE_CUDA_COMPILE_FEATURES)

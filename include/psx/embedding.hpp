@@ -791,7 +791,6 @@ class DynamicTable {
     if (first + chunk_rows_ > empty_slot)
       throw std::length_error("psx: dynamic table '" + name_ + "': more than 2^32 - 1 rows in one stripe");
     st.free.reserve(st.free.size() + chunk_rows_);  // nothing below throws once the chunk is kept
-    st.chunks.reserve(st.chunks.size() + 1);
     st.chunks.push_back(std::make_unique<std::byte[]>(std::size_t{chunk_rows_} * stride_));
     for (std::uint32_t k = 0; k < chunk_rows_; ++k)
       new (st.chunks.back().get() + std::size_t{k} * stride_) RowMeta{};
@@ -814,16 +813,24 @@ class DynamicTable {
 
   // Removes stored `id`: backward-shift deletion keeps every probe chain
   // unbroken without tombstones; the removal is versioned and remembered.
-  // Its log entry is made first: a bad_alloc then leaves the row stored (a
-  // removal made but not logged was missing from every later delta).
+  // Its free slot and log entry are made first: a bad_alloc then leaves the
+  // row stored and the log as it was (a removal made but not logged was
+  // missing from every later delta).
   void erase(Stripe& st, std::uint64_t id) {
-    std::unordered_map<std::uint64_t, std::uint64_t>::iterator logged;
-    bool fresh = false;
-    if (options_.removal_log_limit != 0) std::tie(logged, fresh) = st.removed.try_emplace(id, 0);
     const std::size_t mask = st.index.size() - 1;
     std::size_t i = hash(id) & mask;
     while (st.index[i].key != id || st.index[i].slot == empty_slot) i = (i + 1) & mask;
-    st.free.push_back(st.index[i].slot);
+    st.free.push_back(st.index[i].slot);  // may throw: nothing changed yet
+    std::unordered_map<std::uint64_t, std::uint64_t>::iterator logged;
+    bool fresh = false;
+    if (options_.removal_log_limit != 0) {
+      try {
+        std::tie(logged, fresh) = st.removed.try_emplace(id, 0);
+      } catch (...) {
+        st.free.pop_back();
+        throw;
+      }
+    }
     for (std::size_t j = (i + 1) & mask; st.index[j].slot != empty_slot; j = (j + 1) & mask) {
       const std::size_t home = hash(st.index[j].key) & mask;
       // Entry j may move back to i when its home is not in (i, j] (cyclically).

@@ -127,7 +127,7 @@ struct Pruned {
   // k = max(round(n * (1 - sparsity)), 1) largest |w| (in float32, halves
   // to even) and every weight as large as the k-th (ties at the threshold
   // are kept, so equal weights are never told apart); masks the rest. A
-  // NaN counts as the largest (kept).
+  // NaN counts as the largest (kept; TensorFlow's comparison masks it).
   static void remask(std::span<const float> w, std::span<float> mask, double sparsity) {
     std::fill(mask.begin(), mask.end(), 1.0f);
     auto magnitude = [](float x) {

@@ -637,13 +637,13 @@ TEST_CASE("BSP: a step the optimizer cannot apply fails the cluster with sync_er
 }
 
 TEST_CASE("a worker waiting in a Handle's destructor sends heartbeats, as in wait()") {
-  // Server 0 takes 600 ms over worker 0's push while worker 1 waits in a
-  // barrier at server 1, whose peer timeout is 200 ms: worker 0, blocked in
+  // Server 0 takes 1.2 s over worker 0's push while worker 1 waits in a
+  // barrier at server 1, whose peer timeout is 400 ms: worker 0, blocked in
   // the destructor of the handle it dropped, must still be heard from.
   struct SlowSGD {
     std::size_t slots() const { return 0; }
     void update(std::span<float> w, std::span<const float> g, const psx::SlotView&, const psx::UpdateContext&) const {
-      std::this_thread::sleep_for(600ms);
+      std::this_thread::sleep_for(1200ms);
       for (std::size_t i = 0; i < w.size(); ++i) w[i] -= g[i];
     }
   };
@@ -651,7 +651,7 @@ TEST_CASE("a worker waiting in a Handle's destructor sends heartbeats, as in wai
     std::vector<psx::Shard> place(const psx::VariableMeta& v, std::size_t) const { return {{0, 0, v.rows}}; }
   };
   Watchdog dog("handle destructor heartbeats");
-  psx::ParameterServer<OnServer0, psx::sync::Asynchronous, SlowSGD> ps({2, 2, 200ms});
+  psx::ParameterServer<OnServer0, psx::sync::Asynchronous, SlowSGD> ps({2, 2, 400ms});
   ps.declare(psx::dense("a", {4}));
   std::atomic<int> passed{0};
   ps.run([&](psx::Worker& w) {

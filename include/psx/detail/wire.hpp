@@ -77,7 +77,9 @@ enum class OutKind : std::uint8_t { none = 0, float32 = 1, bits16 = 2 };
 
 //! Bounds a receiver enforces before it allocates or trusts anything.
 struct Limits {
-  //! Largest message (all frames) accepted.
+  //! Largest message (all frames) accepted: checked once it is received
+  //! (answered with a wire_error); the socket bounds each frame by the
+  //! largest chunk, 2 GiB, whatever this says.
   std::uint64_t max_message_bytes = std::uint64_t{16} << 30;
   //! Most items in one request.
   std::uint32_t max_items = 1u << 20;
