@@ -19,8 +19,10 @@
 namespace psx_test {
 
 // The calling thread's n-th allocation from now (0: the next) throws
-// std::bad_alloc; -1 turns it off (tests/main.cpp replaces operator new).
+// std::bad_alloc; -1 turns it off (tests/main.cpp replaces operator new,
+// where can_fail_allocations() says so: not under ThreadSanitizer).
 void fail_allocation(long n) noexcept;
+bool can_fail_allocations() noexcept;
 
 // A gradient that depends on the value pulled, the worker, the step and the
 // element (toy_step's usual `grad`).
