@@ -777,14 +777,15 @@ class Zmq::link_type {
       // (it went silent while others waited) is lost here too, as its
       // silence tells.
       using State = RequestHandler::WorkerState;
-      if (timeout.count() <= 0 || stop_ || (chief_seen_ && h_.worker_state(0) == State::left)) return false;
+      const bool chief_seen = seen_[0];
+      if (timeout.count() <= 0 || stop_ || (chief_seen && h_.worker_state(0) == State::left)) return false;
       std::string why;
-      if (!chief_seen_ && now - started_ > std::max<clock::duration>(l_.settings_.start_timeout, timeout))
+      if (!chief_seen && now - started_ > std::max<clock::duration>(l_.settings_.start_timeout, timeout))
         why =
             "the chief (worker 0) never appeared within " + std::to_string(l_.settings_.start_timeout.count()) + " ms";
-      else if (chief_seen_ && now - chief_last_ > timeout)
+      else if (chief_seen && now - last_heard_[0] > timeout)
         why = "the chief (worker 0) sent nothing for " +
-              std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(now - chief_last_).count()) +
+              std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(now - last_heard_[0]).count()) +
               " ms (peer_timeout " + std::to_string(timeout.count()) + " ms)";
       if (why.empty()) return false;
       std::lock_guard lock(l_.mu_);
@@ -816,9 +817,6 @@ class Zmq::link_type {
       if (worker >= seen_.size()) return;
       seen_[worker] = true;
       last_heard_[worker] = clock::now();
-      if (worker != 0) return;
-      chief_seen_ = true;
-      chief_last_ = last_heard_[worker];
     }
 
     // "ps task S: a message from worker W", the context of a request's
@@ -1029,8 +1027,6 @@ class Zmq::link_type {
     const clock::time_point started_ = clock::now();
     bool stop_ = false;
     std::vector<clock::time_point> last_heard_;  // per worker, by heard_from
-    bool chief_seen_ = false;
-    clock::time_point chief_last_{};
     const std::string name_;  // "ps task S"
     std::vector<std::string> senders_;
     std::string other_sender_;
