@@ -896,14 +896,7 @@ class Server final : public RequestHandler {
   // gives up on a lost worker: every waiting and later request gets the
   // error (the request that completed the step may be a clock(), which no
   // one waits for, and pulls parked for the step would wait for ever).
-  void fail_step(const ShardState& s, const StepProgress& step, std::exception_ptr error) {
-    std::string what = "an exception that is not a std::exception";
-    try {
-      std::rethrow_exception(error);
-    } catch (const std::exception& e) {
-      what = e.what();
-    } catch (...) {
-    }
+  void fail_step(const ShardState& s, const StepProgress& step, const char* what) {
     failure_ = "psx: server " + std::to_string(index_) + ": step " + std::to_string(step.step) + " of variable '" +
                s.var->meta.name + "' could not be applied (" + what + ")";
     step_failed_ = true;
@@ -933,8 +926,11 @@ class Server final : public RequestHandler {
           if (!sync_.step_complete(step, s.progress(), server_clock())) break;
           try {
             apply_step(s, step);
+          } catch (const std::exception& e) {
+            fail_step(s, step, e.what());
+            return;
           } catch (...) {
-            fail_step(s, step, std::current_exception());
+            fail_step(s, step, "an exception that is not a std::exception");
             return;
           }
           ++s.applied_steps;
