@@ -8,7 +8,7 @@
 // not seen before with their initial value and a fresh accumulator). Every
 // id is admitted; nothing is evicted.
 //
-// Three ways to run the same stream, for dims 16 and 64 and 1 and 2 threads:
+// Four ways to run the same stream, for dims 16 and 64 and 1 and 2 threads:
 //   map      std::unordered_map<id, std::vector<float>> (row, then its
 //            slot), one std::mutex per call when 2 threads share it; the
 //            same RowAccumulator sums repeated ids, the same optimizer.
@@ -20,13 +20,19 @@
 //            consistent-hash ring, requests through the in-process
 //            transport; with PSX_WAITERS_SERVE=1, handled by the waiting
 //            worker itself when the server is idle).
+//   floor    no table at all: the ids numbered 0, 1, ... before the clock
+//            starts, rows in a flat array per thread (IdealTable below);
+//            the same copies, initial values, duplicate sums and updates.
+//            What every way must still do: floor / map is about the most
+//            any table could gain over the map in this stream.
 // Throughput is ids per second of pull and of push, summed over threads;
 // the goal (issue 9) is the cluster at 3x the map or better. This machine's
 // figures move from run to run (a shared virtual machine), so each
-// configuration runs the three ways `rounds` times and prints the medians;
-// each round starts with another of them, since one that runs after
-// another finds the heap grown and pays fewer page faults. Memory: the
-// table's own accounting (TableStats::bytes) and, for the map, what glibc's
+// configuration runs each way `rounds` times and prints the medians; each
+// round of the first three starts with another of them, since one that
+// runs after another finds the heap grown and pays fewer page faults (the
+// floor runs after them, its arrays allocated and touched before its clock
+// starts). Memory: the table's own accounting (TableStats::bytes) and, for the map, what glibc's
 // allocator handed out while it was built (mallinfo2), both per row next to
 // the ideal (the row and its slot, dim * 4 * 2 bytes).
 //
@@ -194,6 +200,93 @@ Rates run_table(const std::vector<std::vector<std::uint64_t>>& ids, std::size_t 
   return r;
 }
 
+// The floor: what any table must still do after finding a row. Before the
+// clock starts, every id of a thread's stream is numbered by its place among
+// the stream's distinct ids in id order (a perfect hash: no lookup at all,
+// rows spread over the array as the hashed ids are), and each thread has
+// its own flat array of rows and slots, so nothing is shared or locked.
+// Each 128 ids' rows are asked for before any is read, as the table asks
+// for its records; then the same copies, initial values, duplicate sums
+// (the same RowAccumulator: summing by the numbers themselves, in an array
+// of one entry per row, measured slower, its misses costing more than the
+// hashing into a small table) and Adagrad updates as the map and the
+// table. Its rate over the map's is about the most any table could gain
+// here: what is left is work every way does.
+class IdealTable {
+ public:
+  // `id_of[i]`: the id numbered i.
+  IdealTable(const std::vector<std::uint64_t>& id_of, std::size_t dim)
+      : dim_(dim), id_of_(id_of), stored_(id_of.size(), 0), data_(id_of.size() * 2 * dim) {}
+
+  void pull(std::span<const std::uint32_t> at, std::span<const std::uint64_t> ids, std::span<float> out) {
+    for (std::size_t w = 0; w < at.size(); w += kWindow) {
+      const std::size_t end = std::min(at.size(), w + kWindow);
+      for (std::size_t j = w; j < end; ++j) __builtin_prefetch(row(at[j]));
+      for (std::size_t j = w; j < end; ++j) {
+        if (stored_[at[j]]) std::copy_n(row(at[j]), dim_, out.data() + j * dim_);
+        else kInit.fill_row("emb", ids[j], out.subspan(j * dim_, dim_));
+      }
+    }
+  }
+
+  void push(std::span<const std::uint32_t> at, std::span<const float> grads, std::uint64_t step) {
+    sum_.reset(dim_);
+    for (std::size_t j = 0; j < at.size(); ++j) sum_.add(at[j], grads.data() + j * dim_);
+    const std::size_t n = sum_.rows().size();
+    const psx::UpdateContext ctx{step, 1.0, nullptr, step, true};
+    for (std::size_t w = 0; w < n; w += kWindow) {
+      const std::size_t end = std::min(n, w + kWindow);
+      for (std::size_t k = w; k < end; ++k) {
+        float* r = row(static_cast<std::uint32_t>(sum_.rows()[k]));
+        for (std::size_t b = 0; b < 2 * dim_ * sizeof(float); b += 64) __builtin_prefetch(reinterpret_cast<char*>(r) + b);
+      }
+      for (std::size_t k = w; k < end; ++k) {
+        const auto i = static_cast<std::uint32_t>(sum_.rows()[k]);
+        float* r = row(i);
+        if (!stored_[i]) {
+          stored_[i] = 1;
+          kInit.fill_row("emb", id_of_[i], std::span<float>(r, dim_));
+          std::fill_n(r + dim_, dim_, static_cast<float>(kOpt.initial_accumulator_value));
+        }
+        float* bases[] = {r + dim_};
+        kOpt.update(std::span<float>(r, dim_), std::span<const float>(sum_.row_data(k), dim_),
+                    psx::SlotView(bases, 1, 0, dim_), ctx);
+      }
+    }
+  }
+
+ private:
+  static constexpr std::size_t kWindow = 128;
+  float* row(std::uint32_t i) { return data_.data() + std::size_t{i} * 2 * dim_; }
+
+  std::size_t dim_;
+  const std::vector<std::uint64_t>& id_of_;
+  std::vector<std::uint8_t> stored_;
+  std::vector<float> data_;
+  psx::detail::RowAccumulator sum_;
+};
+
+Rates run_ideal(const std::vector<std::vector<std::uint64_t>>& ids, std::size_t dim) {
+  Rates r = rates(on_threads(ids.size(), [&](std::size_t t) {
+    std::vector<std::uint64_t> distinct(ids[t]);
+    std::sort(distinct.begin(), distinct.end());
+    distinct.erase(std::unique(distinct.begin(), distinct.end()), distinct.end());
+    std::vector<std::uint32_t> at(ids[t].size());
+    for (std::size_t j = 0; j < at.size(); ++j)
+      at[j] = static_cast<std::uint32_t>(std::lower_bound(distinct.begin(), distinct.end(), ids[t][j]) - distinct.begin());
+    IdealTable table(distinct, dim);
+    return drive(ids[t], dim,
+                 [&](auto batch, auto out, std::uint64_t step) {
+                   table.pull(std::span<const std::uint32_t>(at.data() + (step - 1) * kBatch, kBatch), batch, out);
+                 },
+                 [&](auto, auto g, std::uint64_t step) {
+                   table.push(std::span<const std::uint32_t>(at.data() + (step - 1) * kBatch, kBatch), g, step);
+                 });
+  }));
+  r.bytes_per_row = static_cast<double>(2 * dim * sizeof(float));
+  return r;
+}
+
 // The cluster's transport: InProcess, with waiters_serve under
 // PSX_WAITERS_SERVE=1, a spin of n µs under PSX_SPIN_US=n and a caller's
 // look of n µs under PSX_WAIT_SPIN_US=n.
@@ -244,15 +337,16 @@ int main(int argc, char** argv) {
     distinct = static_cast<std::size_t>(std::unique(sorted.begin(), sorted.end()) - sorted.begin());
   }
   std::printf("%zu distinct ids in the 2-thread stream\n\n", distinct);
-  std::printf("%-4s %-7s | %-21s | %-21s | %-21s | %-13s | %s\n", "dim", "threads", "map pull/push",
-              "table pull/push", "cluster pull/push", "cluster / map", "bytes/row: ideal map table");
+  std::printf("%-4s %-7s | %-21s | %-21s | %-21s | %-13s | %-21s | %-13s | %s\n", "dim", "threads", "map pull/push",
+              "table pull/push", "cluster pull/push", "cluster / map", "floor pull/push", "floor / map",
+              "bytes/row: ideal map table");
   for (const std::size_t dim : {16, 64}) {
     for (const std::size_t threads : {1, 2}) {
       std::vector<std::vector<std::uint64_t>> ids(threads);
       for (std::size_t t = 0; t < threads; ++t)
         ids[t].assign(all.begin() + static_cast<std::ptrdiff_t>(t * per_thread),
                       all.begin() + static_cast<std::ptrdiff_t>((t + 1) * per_thread));
-      std::vector<Rates> maps, tables, clusters;
+      std::vector<Rates> maps, tables, clusters, floors;
       // Each round starts with another of the three (map, table, cluster;
       // then table, cluster, map; ...; with a multiple of 3 rounds each
       // starts equally often): one that runs after another finds the heap
@@ -263,14 +357,20 @@ int main(int argc, char** argv) {
             case 1: tables.push_back(run_table(ids, dim)); break;
             default: clusters.push_back(run_cluster(ids, dim)); break;
           }
-      const Rates map = median(maps), table = median(tables), cluster = median(clusters);
-      std::printf("%-4zu %-7zu | %9.2f %9.2f   | %9.2f %9.2f   | %9.2f %9.2f   | %5.2fx %5.2fx | %zu %.0f %.0f\n", dim,
-                  threads, map.pull / 1e6, map.push / 1e6, table.pull / 1e6, table.push / 1e6, cluster.pull / 1e6,
-                  cluster.push / 1e6, cluster.pull / map.pull, cluster.push / map.push, dim * 8, map.bytes_per_row,
+      for (std::size_t r = 0; r < rounds; ++r) floors.push_back(run_ideal(ids, dim));
+      const Rates map = median(maps), table = median(tables), cluster = median(clusters), floor = median(floors);
+      std::printf("%-4zu %-7zu | %9.2f %9.2f   | %9.2f %9.2f   | %9.2f %9.2f   | %5.2fx %5.2fx | %9.2f %9.2f   | "
+                  "%5.2fx %5.2fx | %zu %.0f %.0f\n",
+                  dim, threads, map.pull / 1e6, map.push / 1e6, table.pull / 1e6, table.push / 1e6, cluster.pull / 1e6,
+                  cluster.push / 1e6, cluster.pull / map.pull, cluster.push / map.push, floor.pull / 1e6,
+                  floor.push / 1e6, floor.pull / map.pull, floor.push / map.push, dim * 8, map.bytes_per_row,
                   table.bytes_per_row);
     }
   }
   std::ostringstream transport;
   transport << cluster_transport();
-  std::printf("\ngoal: cluster / map >= 3x (pull and push); the cluster ran with %s\n", transport.str().c_str());
+  std::printf("\ngoal: cluster / map >= 3x (pull and push); the cluster ran with %s\n"
+              "floor: no lookup at all (ids numbered beforehand, a private flat array per thread), the same copies,\n"
+              "initial values, duplicate sums and updates; floor / map is the most any table could gain here\n",
+              transport.str().c_str());
 }
