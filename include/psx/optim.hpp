@@ -110,6 +110,7 @@ struct SGD {
   void validate(const VariableMeta& v, std::size_t) const {
     detail::require(lr >= 0.0 && momentum >= 0.0 && weight_decay >= 0.0, "SGD", v,
                     "lr, momentum and weight_decay >= 0");
+    detail::require(!std::isnan(dampening), "SGD", v, "a dampening that is a number");
     if (nesterov && (momentum <= 0.0 || dampening != 0.0))
       throw config_error("psx: optim::SGD for '" + v.name +
                          "': Nesterov momentum needs momentum > 0 and dampening = 0");
@@ -479,9 +480,9 @@ struct Ftrl {
   }
 
   void validate(const VariableMeta& v, std::size_t) const {
-    if (!(lr > 0.0) || lr_power > 0.0 || initial_accumulator_value < 0.0 || l1 < 0.0 || l2 < 0.0)
-      throw config_error("psx: optim::Ftrl for '" + v.name +
-                         "': needs lr > 0, lr_power <= 0, initial_accumulator_value >= 0, l1 >= 0 and l2 >= 0");
+    // Each rule holds as written (a NaN fails every comparison, so is refused).
+    detail::require(lr > 0.0 && lr_power <= 0.0 && initial_accumulator_value >= 0.0 && l1 >= 0.0 && l2 >= 0.0, "Ftrl",
+                    v, "lr > 0, lr_power <= 0, initial_accumulator_value >= 0, l1 >= 0 and l2 >= 0");
   }
 
   //! False when the effective learning rate is 0 (or less): a schedule's

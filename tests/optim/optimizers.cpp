@@ -488,6 +488,20 @@ TEST_CASE("optim: hyper-parameters are checked at declare, as PyTorch's construc
         "psx: PolynomialDecaySparsity for 'w': needs 0 <= initial_sparsity <= final_sparsity < 1, got 0.000000 and "
         "1.000000");
   CHECK(psx::schedule::Piecewise{{5}, {}}(3) == 1.0);  // never reads out of bounds
+  // A NaN hyper-parameter would make every parameter it touches NaN.
+  const std::string ftrl_rule =
+      "psx: optim::Ftrl for 'w': needs lr > 0, lr_power <= 0, initial_accumulator_value >= 0, l1 >= 0 and l2 >= 0";
+  CHECK(refused(psx::optim::Ftrl{.l1 = nan}) == ftrl_rule);
+  CHECK(refused(psx::optim::Ftrl{.l2 = nan}) == ftrl_rule);
+  CHECK(refused(psx::optim::Ftrl{.lr_power = nan}) == ftrl_rule);
+  CHECK(refused(psx::optim::Ftrl{.initial_accumulator_value = nan}) == ftrl_rule);
+  CHECK(refused(psx::optim::SGD{.lr = 0.1, .momentum = 0.9, .dampening = nan}) ==
+        "psx: optim::SGD for 'w': needs a dampening that is a number");
+  CHECK(refused(psx::optim::Adam{.beta2 = nan}) == "psx: optim::Adam for 'w': needs beta1 and beta2 in [0, 1)");
+  CHECK(refused(psx::optim::Adagrad{.eps = nan}) ==
+        "psx: optim::Adagrad for 'w': needs lr, lr_decay, weight_decay, initial_accumulator_value and eps >= 0");
+  CHECK(refused(psx::optim::RMSProp{.alpha = nan}) ==
+        "psx: optim::RMSProp for 'w': needs lr, alpha, eps, weight_decay and momentum >= 0");
 }
 
 TEST_CASE("optim: FTRL at learning rate 0 (warm-up's first step) leaves parameters and state as they are") {
