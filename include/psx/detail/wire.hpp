@@ -192,7 +192,8 @@ inline Hello decode_hello(std::span<const std::byte> frame, std::string_view whe
   return h;
 }
 
-//! welcome, pong and stop: the prefix and one 64-bit word (the sender's index).
+//! welcome, pong and stop: the prefix and one 64-bit word (docs/wire.md: a
+//! server's incarnation in a welcome and a pong, the chief's cluster fingerprint in a stop).
 inline std::vector<std::byte> encode_signal(Kind kind, std::uint64_t word) {
   auto out = make_header(16, kind);
   put(out, 8, word);
