@@ -138,11 +138,21 @@ struct TableExport {
   std::span<const float> row(std::size_t k) const noexcept { return {values.data() + k * dim, dim}; }
 
   //! Applies a delta: drops its removed ids, then inserts or replaces its
-  //! rows; takes its cursor. Throws checkpoint_error on another row width.
+  //! rows; takes its cursor. Throws checkpoint_error on another row width,
+  //! or when this export's or the delta's floats are not its rows. Indexes
+  //! this export's ids on each call: a merge costs the whole copy.
   void merge(const TableExport& delta) {
     if (delta.dim != dim)
       throw checkpoint_error("psx: merging a delta of rows of " + std::to_string(delta.dim) +
                              " floats into an export of rows of " + std::to_string(dim));
+    auto check = [](const TableExport& e, const char* which) {
+      if (e.values.size() != e.ids.size() * e.dim)
+        throw checkpoint_error(std::string("psx: merging a delta: ") + which + " has " + std::to_string(e.ids.size()) +
+                               " ids and " + std::to_string(e.values.size()) + " floats, not rows of " +
+                               std::to_string(e.dim));
+    };
+    check(*this, "the export");
+    check(delta, "the delta");
     std::unordered_map<std::uint64_t, std::size_t> at;
     at.reserve(ids.size());
     for (std::size_t k = 0; k < ids.size(); ++k) at.emplace(ids[k], k);
@@ -342,7 +352,7 @@ class DynamicTable {
     if (ids.size() > std::numeric_limits<std::uint32_t>::max())
       throw shape_error("psx: dynamic table '" + name_ + "': at most 2^32 - 1 ids per call");
     auto dst = [&](std::size_t j) { return out.data() + (positions.empty() ? j : positions[j]) * dim_; };
-    const ScratchLease<Scratch> lease(ids.size());
+    const ScratchLease<Scratch> lease(ids.size() * kScratchBytesPerId);
     Scratch& scratch = lease.get();
     std::vector<std::uint32_t>& unseen = scratch.unseen;
     unseen.clear();
@@ -375,9 +385,14 @@ class DynamicTable {
 
   //! Applies summed gradient rows (each id once) with `optimizer` at
   //! `ctx.global_step`: admits ids not stored, updates their row and slots,
-  //! then runs the time-to-live sweep when one is due.
+  //! then runs the time-to-live sweep when one is due. Throws shape_error
+  //! for sums of another width.
   void apply(const O& optimizer, const detail::RowAccumulator& rows, const UpdateContext& ctx) {
-    const ScratchLease<Scratch> lease(rows.rows().size());
+    if (rows.width() != dim_ || rows.data().size() != rows.rows().size() * dim_)
+      throw shape_error("psx: dynamic table '" + name_ + "': applying " + std::to_string(rows.rows().size()) +
+                        " summed rows of " + std::to_string(rows.width()) + " floats to rows of " +
+                        std::to_string(dim_));
+    const ScratchLease<Scratch> lease(rows.rows().size() * kScratchBytesPerId);
     Scratch& scratch = lease.get();
     std::vector<float*>& bases = scratch.bases;
     bases.resize(slots_);
@@ -432,7 +447,8 @@ class DynamicTable {
                         std::to_string(dim_) + " needs " + std::to_string(ids.size() * dim_) + " floats, got " +
                         std::to_string(grads.size()));
     // Each thread keeps its sum's memory from call to call, as ScratchLease says.
-    const ScratchLease<detail::RowAccumulator> lease(ids.size());
+    // The sum: a row and an id per id, and its hash slots.
+    const ScratchLease<detail::RowAccumulator> lease(ids.size() * (dim_ * sizeof(float) + 3 * sizeof(std::uint64_t)));
     detail::RowAccumulator& sum = lease.get();
     sum.reset(dim_);
     for (std::size_t j = 0; j < ids.size(); ++j) sum.add(ids[j], grads.data() + j * dim_);
@@ -451,10 +467,12 @@ class DynamicTable {
       old.clear();
       for (const Entry& e : st.index)
         if (e.slot != empty_slot && expired(meta(st, e.slot).updated, now)) old.push_back(e.key);
-      for (const std::uint64_t id : old) erase(st, id);
-      evicted += old.size();
+      for (const std::uint64_t id : old) {
+        erase(st, id);  // a bad_alloc here leaves the rows erased so far counted
+        ++evicted;
+        evicted_ttl_.fetch_add(1, std::memory_order_relaxed);
+      }
     }
-    evicted_ttl_.fetch_add(evicted, std::memory_order_relaxed);
     return evicted;
   }
 
@@ -560,7 +578,11 @@ class DynamicTable {
 
   // One stored id's update (under its stripe's lock), admitting it first when it is not stored.
   // `slot`: where the id is stored (empty_slot: it is not).
-  // The row updated goes to `changed`, for its version.
+  // The row goes to `changed`, for its version, before the optimizer runs:
+  // an optimizer that throws (one refusing a non-finite gradient, say) may
+  // have changed the row halfway, and an admitted row is stored either way;
+  // a row changed without a new version would be missing from every later
+  // delta.
   void apply_row(const O& optimizer, Stripe& st, std::uint64_t id, std::uint64_t h, std::uint32_t slot, const float* g,
                  std::vector<float*>& bases, std::vector<RowMeta*>& changed, const UpdateContext& ctx) {
     const std::uint64_t step = ctx.global_step;
@@ -579,12 +601,12 @@ class DynamicTable {
       if (!st.removed.empty() && st.removed.erase(id)) sub_removal(1);
       admitted_.fetch_add(1, std::memory_order_relaxed);
     }
+    RowMeta& m = meta(st, slot);
+    changed.push_back(&m);  // reserved by the caller: does not throw
     float* w = record(st, slot);
     for (std::size_t s = 0; s < slots_; ++s) bases[s] = w + (1 + s) * dim_;
     optimizer.update(std::span<float>(w, dim_), std::span<const float>(g, dim_), SlotView(bases.data(), slots_, 0, dim_),
                      ctx);
-    RowMeta& m = meta(st, slot);
-    changed.push_back(&m);
     m.updated = std::max(m.updated, step);
     touch(m.used, step);
   }
@@ -602,12 +624,18 @@ class DynamicTable {
   // A thread's working memory of type T (pull's and apply's Scratch,
   // push's sum), kept from call to call (a fresh allocation per call cost
   // up to a fifth of a push of wide rows: page faults on buffers beyond
-  // malloc's mmap threshold), up to calls of kKeepIds ids: a larger call's
-  // memory goes when it returns, or throws. One T per thread and optimizer
-  // type, shared by that type's tables: no call takes the same T twice
-  // (push's sum and apply's Scratch differ), and nothing they run (the
-  // optimizer's update, the initializer) calls a table.
-  static constexpr std::size_t kKeepIds = std::size_t{1} << 16;
+  // malloc's mmap threshold), up to calls whose working memory is within
+  // kKeepBytes (16 MiB: a push of 1000 rows of 4096 floats): a larger
+  // call's memory goes when it returns, or throws, so what a thread keeps
+  // is bounded whatever the calls' ids and widths (twice that at most, with
+  // the vectors' slack; it is outside every table's memory cap). One T
+  // per thread and optimizer type, shared by that type's tables: no call
+  // takes the same T twice (push's sum and apply's Scratch differ), and
+  // nothing they run (the optimizer's update, the initializer) calls a
+  // table.
+  static constexpr std::size_t kKeepBytes = std::size_t{16} << 20;
+  // Scratch bytes per id: hash, order, slot, unseen or changed entry.
+  static constexpr std::size_t kScratchBytesPerId = 2 * sizeof(std::uint64_t) + 3 * sizeof(std::uint32_t);
   struct Scratch {
     Batch batch;
     std::vector<std::uint32_t> slots, unseen;
@@ -617,11 +645,11 @@ class DynamicTable {
   template <class T>
   class ScratchLease {
    public:
-    explicit ScratchLease(std::size_t ids) : ids_(ids) {}
+    explicit ScratchLease(std::size_t bytes) : bytes_(bytes) {}
     ScratchLease(const ScratchLease&) = delete;
     ScratchLease& operator=(const ScratchLease&) = delete;
     ~ScratchLease() {
-      if (ids_ > kKeepIds) get() = T{};
+      if (bytes_ > kKeepBytes) get() = T{};
     }
     T& get() const noexcept {
       thread_local T scratch;
@@ -629,7 +657,7 @@ class DynamicTable {
     }
 
    private:
-    std::size_t ids_;
+    std::size_t bytes_;
   };
 
   const Batch& group(std::span<const std::uint64_t> ids, Batch& b) const {
@@ -807,8 +835,10 @@ class DynamicTable {
       if (e.slot != empty_slot) by_use.emplace_back(meta(st, e.slot).used.load(std::memory_order_relaxed), e.key);
     const std::size_t n = std::min(by_use.size(), std::max<std::size_t>(1, by_use.size() / 16));
     std::nth_element(by_use.begin(), by_use.begin() + static_cast<std::ptrdiff_t>(n - 1), by_use.end());
-    for (std::size_t k = 0; k < n; ++k) erase(st, by_use[k].second);
-    evicted_memory_.fetch_add(n, std::memory_order_relaxed);
+    for (std::size_t k = 0; k < n; ++k) {
+      erase(st, by_use[k].second);  // a bad_alloc here leaves the rows erased so far counted
+      evicted_memory_.fetch_add(1, std::memory_order_relaxed);
+    }
   }
 
   // Removes stored `id`: backward-shift deletion keeps every probe chain

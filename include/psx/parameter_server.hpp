@@ -161,8 +161,13 @@ class ParameterServer {
     out.dim = v.meta.row_width;
     std::size_t s = 0;
     for_each_table(name, "export_table", [&](const auto& t) {
-      TableExport part = since.empty() ? t.export_rows()
-                                       : t.export_rows(TableCursor{{since.incarnation[s]}, {since.version[s]}});
+      TableExport part;
+      try {
+        part = since.empty() ? t.export_rows() : t.export_rows(TableCursor{{since.incarnation[s]}, {since.version[s]}});
+      } catch (const checkpoint_error& e) {  // which server restarted or forgot its removals
+        throw checkpoint_error(std::string(e.what()) + " (server " + std::to_string(s) + " of " + std::to_string(n) +
+                               ")");
+      }
       ++s;
       out.cursor.incarnation.push_back(part.cursor.incarnation.front());
       out.cursor.version.push_back(part.cursor.version.front());

@@ -15,6 +15,8 @@
 #include <random>
 #include <set>
 #include <sstream>
+#include <stdexcept>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -24,6 +26,7 @@ using psx::Admission;
 using psx::DynamicTable;
 using psx::TableOptions;
 using psx::UpdateContext;
+using psx_test::message_of;
 
 constexpr std::uint64_t max_id = std::numeric_limits<std::uint64_t>::max();
 
@@ -291,6 +294,62 @@ TEST_CASE("embedding: a full export plus its deltas equals the full export at th
   CHECK_THROWS_WITH_AS(other.export_rows(full.cursor), doctest::Contains("another table"), psx::checkpoint_error);
   CHECK_THROWS_AS(t.export_rows(psx::TableCursor{{t.incarnation()}, {t.version() + 1}}), psx::checkpoint_error);
   CHECK_THROWS_AS(t.export_rows(psx::TableCursor{{t.incarnation(), 1}, {0, 0}}), psx::checkpoint_error);
+}
+
+namespace {
+// An optimizer that refuses a non-finite gradient, as a user's may: it
+// throws halfway through a row.
+struct CheckedSGD {
+  std::size_t slots() const { return 0; }
+  void update(std::span<float> w, std::span<const float> g, const psx::SlotView&, const psx::UpdateContext&) const {
+    for (std::size_t i = 0; i < w.size(); ++i) {
+      if (!std::isfinite(g[i])) throw std::domain_error("non-finite gradient");
+      w[i] -= g[i];
+    }
+  }
+};
+}  // namespace
+
+TEST_CASE("embedding: rows an optimizer changed or admitted before it threw are in the next delta") {
+  const CheckedSGD opt;
+  TableOptions o;
+  o.stripes = 1;  // ids applied in the order of the call
+  DynamicTable<CheckedSGD> t("emb", 2, psx::Initializer::constant(0.5f), o, opt);
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const std::uint64_t one[] = {1}, seven_one[] = {7, 1};
+  const float g1[] = {1.0f, 1.0f};
+  t.push(opt, one, g1, at_step(1));
+  psx::TableExport serving = t.export_rows();
+  // Id 7 is admitted, then its update throws at once; id 1 is not reached.
+  const float g2[] = {nan, 0.0f, 1.0f, 1.0f};
+  CHECK_THROWS_WITH_AS(t.push(opt, seven_one, g2, at_step(2)), "non-finite gradient", std::domain_error);
+  CHECK(t.contains(7));
+  psx::TableExport delta = t.export_rows(serving.cursor);
+  CHECK(delta.ids == std::vector<std::uint64_t>{7});
+  serving.merge(delta);
+  CHECK(serving.sorted() == t.export_rows().sorted());
+  // Id 1's update changes its first float, then throws.
+  const float g3[] = {1.0f, nan};
+  CHECK_THROWS_AS(t.push(opt, one, g3, at_step(3)), std::domain_error);
+  delta = t.export_rows(serving.cursor);
+  CHECK(delta.ids == std::vector<std::uint64_t>{1});
+  CHECK(delta.values == std::vector<float>{-1.5f, -0.5f});
+  serving.merge(delta);
+  CHECK(serving.sorted() == t.export_rows().sorted());
+  // Sums of another width, and exports whose floats are not their rows, are refused.
+  psx::detail::RowAccumulator narrow(1);
+  narrow.add(5, g1);
+  CHECK_THROWS_WITH_AS(t.apply(opt, narrow, at_step(4)), doctest::Contains("1 summed rows of 1 floats to rows of 2"),
+                       psx::shape_error);
+  CHECK(!t.contains(5));
+  psx::TableExport short_delta = t.export_rows(serving.cursor);
+  short_delta.ids.push_back(9);
+  CHECK(message_of<psx::checkpoint_error>([&] { serving.merge(short_delta); }) ==
+        "psx: merging a delta: the delta has 1 ids and 0 floats, not rows of 2");
+  psx::TableExport broken = serving;
+  broken.values.pop_back();
+  CHECK(message_of<psx::checkpoint_error>([&] { broken.merge(t.export_rows(serving.cursor)); }) ==
+        "psx: merging a delta: the export has 2 ids and 3 floats, not rows of 2");
 }
 
 TEST_CASE("embedding: a delta from before the forgotten removals is refused") {
@@ -662,6 +721,9 @@ TEST_CASE("embedding: refused declarations and calls say what is wrong") {
   CHECK_THROWS_AS(ps.table_stats("w"), psx::config_error);
   CHECK_THROWS_AS(ps.table_stats("nope"), psx::unknown_variable);
   CHECK_THROWS_AS(ps.export_table("emb", psx::TableCursor{{1, 2, 3}, {1, 2, 3}}), psx::config_error);
+  // A cursor of another cluster's tables: the refusal names the server.
+  CHECK(message_of<psx::checkpoint_error>([&] { ps.export_table("emb", psx::TableCursor{{1, 2}, {0, 0}}); })
+            .ends_with("; take a full export (server 0 of 2)"));
   // LAMB does not apply row pushes: it cannot train a table.
   psx::LocalCluster<psx::partition::HashByName, psx::sync::Synchronous, psx::optim::Lamb> lamb({1, 1});
   CHECK_THROWS_AS(lamb.declare(psx::embedding("e", 4)), psx::config_error);
