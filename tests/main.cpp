@@ -13,7 +13,12 @@
 
 #if defined(__SANITIZE_THREAD__)
 #define PSX_TEST_FAIL_ALLOCATIONS 0
-#else
+#elif defined(__has_feature)
+#if __has_feature(thread_sanitizer)  // clang's way of saying so
+#define PSX_TEST_FAIL_ALLOCATIONS 0
+#endif
+#endif
+#ifndef PSX_TEST_FAIL_ALLOCATIONS
 #define PSX_TEST_FAIL_ALLOCATIONS 1
 #include "replace_new.hpp"
 #endif

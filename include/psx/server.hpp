@@ -323,8 +323,9 @@ class Server final : public RequestHandler {
     // Once the policy failed only inspection is served; a worker's leaving
     // or failing is still recorded (a server told to stop waits for that).
     if (failed() && !inspection && r.op != Op::leave && r.op != Op::fail)
-      std::rethrow_exception(failure_error(failure_ + "; since then this cluster answers reads and stats only (to go "
-                                                      "on, make a new ParameterServer and restore a checkpoint)"));
+      std::rethrow_exception(failure_error(failure_text() + "; since then this cluster answers reads and stats only "
+                                                            "(to go on, make a new ParameterServer and restore a "
+                                                            "checkpoint)"));
     if (failed() && r.op == Op::leave) {
       if (gone_[r.worker] == Gone::no) gone_[r.worker] = Gone::left;
       r.finish();
@@ -873,16 +874,24 @@ class Server final : public RequestHandler {
     lost_reason_[w] = reason;
     recount();
     if (outcome == OnWorkerLost::fail) {
-      failure_ = "psx: server " + std::to_string(index_) + ": worker " + std::to_string(w) + " was lost (" + reason +
-                 "); the sync policy does not continue without it";
-      fail_waiting([&] { return std::make_exception_ptr(peer_lost(failure_)); });
+      fail([&] {
+        return "psx: server " + std::to_string(index_) + ": worker " + std::to_string(w) + " was lost (" + reason +
+               "); the sync policy does not continue without it";
+      });
       return;
     }
     release_barrier();
     advance();
   }
 
-  bool failed() const noexcept { return !failure_.empty(); }
+  bool failed() const noexcept { return failed_; }
+
+  // Why the server failed; a fixed text when there was no memory to say more.
+  std::string failure_text() const {
+    return failure_.empty() ? std::string("psx: server ") + std::to_string(index_) +
+                                  ": training stopped (no memory was left to say why)"
+                            : failure_;
+  }
 
   // The error of a failed server: peer_lost (the policy gave up on a lost
   // worker) or sync_error (a step could not be applied).
@@ -890,24 +899,51 @@ class Server final : public RequestHandler {
     return step_failed_ ? std::make_exception_ptr(sync_error(message)) : std::make_exception_ptr(peer_lost(message));
   }
 
+  // Stops training (the policy gave up on a lost worker, or a step could
+  // not be applied): every waiting and later request gets the error. The
+  // server counts as failed before anything allocates: where the failure
+  // is itself a bad_alloc, building its message may throw too, and a server
+  // not marked failed would leave its parked pulls waiting for ever, and
+  // retry a step whose gradients are gone. Such a message is left empty
+  // (failure_text() has a fixed one).
+  template <class Message>
+  void fail(Message&& message) noexcept {
+    failed_ = true;
+    try {
+      failure_ = message();
+    } catch (...) {
+      failure_.clear();
+    }
+    fail_waiting([&] { return failure_error(failure_text()); });
+  }
+
   // An aggregated step that could not be applied (the policy's finish, the
   // optimizer or the storage threw): its gradients are gone and the shard
   // may be half updated, so the server stops training, as when the policy
-  // gives up on a lost worker: every waiting and later request gets the
-  // error (the request that completed the step may be a clock(), which no
-  // one waits for, and pulls parked for the step would wait for ever).
-  void fail_step(const ShardState& s, const StepProgress& step, const char* what) {
-    failure_ = "psx: server " + std::to_string(index_) + ": step " + std::to_string(step.step) + " of variable '" +
-               s.var->meta.name + "' could not be applied (" + what + ")";
+  // gives up on a lost worker (the request that completed the step may be a
+  // clock(), which no one waits for, and pulls parked for the step would
+  // wait for ever).
+  void fail_step(const ShardState& s, const StepProgress& step, const char* what) noexcept {
     step_failed_ = true;
     count(errors_);
-    fail_waiting([&] { return failure_error(failure_); });
+    fail([&] {
+      return "psx: server " + std::to_string(index_) + ": step " + std::to_string(step.step) + " of variable '" +
+             s.var->meta.name + "' could not be applied (" + what + ")";
+    });
   }
 
-  // One exception object per request: see Completion::wait.
+  // One exception object per request: see Completion::wait. Where making
+  // one throws (no memory), the request gets that exception instead.
   void fail_waiting(const ErrorFactory& make_error) noexcept {
-    for (Request& r : parked_) r.finish(make_error());
-    for (Request& r : barrier_) r.finish(make_error());
+    auto error = [&]() noexcept {
+      try {
+        return make_error();
+      } catch (...) {
+        return std::current_exception();
+      }
+    };
+    for (Request& r : parked_) r.finish(error());
+    for (Request& r : barrier_) r.finish(error());
     parked_.clear();
     barrier_.clear();
   }
@@ -994,7 +1030,9 @@ class Server final : public RequestHandler {
   std::uint64_t max_clock_ = 0;
   std::size_t live_ = 0;
   // Why the server stopped training (a peer_lost message, or a sync_error
-  // one when step_failed_); empty while serving.
+  // one when step_failed_); empty while serving (and where no memory was
+  // left to write it: failure_text()).
+  bool failed_ = false;
   std::string failure_;
   bool step_failed_ = false;
   std::deque<Request> parked_;

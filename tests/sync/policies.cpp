@@ -14,6 +14,8 @@
 #include <cstring>
 #include <deque>
 #include <future>
+#include <memory>
+#include <new>
 #include <random>
 #include <span>
 #include <stdexcept>
@@ -634,6 +636,73 @@ TEST_CASE("BSP: a step the optimizer cannot apply fails the cluster with sync_er
   CHECK(message_of<psx::sync_error>([&] { w1.push("x", two); }).starts_with(expected));
   CHECK(ps.read("x")[0] == 0.5f);  // reads still answered; nothing applied
   CHECK(ps.stats().errors >= 1);
+}
+
+TEST_CASE("BSP: a step that fails for want of memory fails the cluster even when the failure cannot be written") {
+  if (!psx_test::can_fail_allocations()) {
+    MESSAGE("skipped: no allocation-failure hook in this build (ThreadSanitizer)");
+    return;
+  }
+  // The optimizer throws bad_alloc on its first call, and the server
+  // thread's k-th allocation after that fails too: while the failure's
+  // message is written (that exception once left the catch clause: the
+  // server did not count as failed, the parked pull waited for ever, and a
+  // later step retried the step without worker 0's moved gradient) or while
+  // the parked pull's error is made (std::terminate in a noexcept function).
+  struct OomSGD {
+    long k = 0;
+    std::shared_ptr<std::atomic<bool>> thrown = std::make_shared<std::atomic<bool>>(false);
+    std::size_t slots() const { return 0; }
+    void update(std::span<float> w, std::span<const float> g, const psx::SlotView&, const psx::UpdateContext&) const {
+      if (!thrown->exchange(true)) {
+        psx_test::fail_allocation(k);
+        throw std::bad_alloc();
+      }
+      for (std::size_t i = 0; i < w.size(); ++i) w[i] -= g[i];
+    }
+  };
+  for (long k = 0; k < 12; ++k) {
+    CAPTURE(k);
+    Watchdog dog("step failure without memory");
+    psx::ParameterServer<psx::partition::RoundRobin, psx::sync::Synchronous, OomSGD> ps(
+        {1, 2}, {}, {psx::sync::Aggregate::sum}, OomSGD{k});
+    ps.declare(psx::dense("x", {1}, psx::Initializer::constant(0.5f)));
+    auto w0 = ps.worker(0), w1 = ps.worker(1);
+    std::vector<float> hundred{100.0f}, two{2.0f}, out(1);
+    w0.push("x", hundred);
+    w1.push("x", two);
+    w0.step();
+    auto parked = std::async(std::launch::async, [&] {
+      try {
+        w0.pull("x", out);
+        return false;
+      } catch (const std::exception&) {  // sync_error, or bad_alloc where its error could not be made
+        return true;
+      }
+    });
+    while (ps.stats().waiting == 0) std::this_thread::sleep_for(1ms);
+    w1.step();  // completes step 0, which fails on the server
+    CHECK(parked.get());
+    // Failed for good: the next step's pushes are refused, and its clocks
+    // (which nobody waits for) do not make the server retry step 0.
+    CHECK_THROWS(w0.push("x", hundred));
+    CHECK_THROWS(w1.push("x", two));
+    for (psx::Worker* w : {&w0, &w1}) {
+      try {
+        w->step();
+      } catch (const std::exception&) {
+      }
+    }
+    float x = 0.0f;
+    for (int tries = 0; tries < 3; ++tries) {  // an allocation left to fail may meet this read
+      try {
+        x = ps.read("x")[0];
+        break;
+      } catch (const std::bad_alloc&) {
+      }
+    }
+    CHECK(x == 0.5f);
+  }
 }
 
 TEST_CASE("a worker waiting in a Handle's destructor sends heartbeats, as in wait()") {

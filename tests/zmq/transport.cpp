@@ -708,6 +708,36 @@ TEST_CASE("zmq: a server stops when the chief dies while others wait, and when a
       CHECK(how.find("the chief (worker 0) sent nothing for") != std::string::npos);
     }
   }
+  SUBCASE("the chief left, then died before its stop: the server stops with peer_lost") {
+    // A chief that had left was never lost: a crash after training (in an
+    // export, say) kept every server serving for ever.
+    using Async = ZmqCluster<psx::partition::RowRange, psx::sync::Asynchronous, psx::optim::SGD>;
+    TempDir dir;
+    const ClusterSpec c = spec(1, 2, false, dir.path);
+    std::atomic<bool> ended{false};
+    std::string how;
+    std::thread server([&] {
+      Async ps(config, {}, {}, {0.1f}, settings(c, "ps", 0, dir.path));
+      declare(ps);
+      try {
+        ps.run([](psx::Worker&) {});
+        how = "returned";
+      } catch (const psx::peer_lost& e) {
+        how = e.what();
+      }
+      ended = true;
+    });
+    {
+      RawWorker chief(published_endpoint(dir.path), 0, fingerprint_of(psx::sync::Asynchronous{}), 2);
+      chief.send(psx::Op::leave, 2);
+      std::this_thread::sleep_for(100ms);
+    }  // the chief dies
+    const auto died = std::chrono::steady_clock::now();
+    while (!ended && std::chrono::steady_clock::now() - died < 10s) std::this_thread::sleep_for(10ms);
+    CHECK_MESSAGE(ended.load(), "the server still serves 10 s after the chief died");
+    server.join();
+    CHECK(how.find("the chief (worker 0) sent nothing for") != std::string::npos);
+  }
   SUBCASE("worker 1 died, then the chief finished and said stop: the server stops after the peer timeout") {
     // After the stop nobody waits on progress, so the server loses no
     // silent worker itself, and the dead one kept it serving for ever.

@@ -772,13 +772,15 @@ class Zmq::link_type {
 
     bool chief_lost(clock::time_point now) {
       const auto timeout = l_.ctx_.peer_timeout;
-      // A chief that said stop or left is done, not lost: the others may
-      // train on for longer than the timeout. One the server declared lost
-      // (it went silent while others waited) is lost here too, as its
-      // silence tells.
-      using State = RequestHandler::WorkerState;
+      // A chief that said stop is done, not lost: the others may train on
+      // for longer than the timeout. One that left is still heard from: its
+      // process's I/O thread beats until the process closes the cluster,
+      // which sends the stop; so a chief silent after leaving died before
+      // its stop (a crash in what it did after training), and is lost as
+      // one that never left. One the server declared lost (it went silent
+      // while others waited) is lost here too, as its silence tells.
       const bool chief_seen = seen_[0];
-      if (timeout.count() <= 0 || stop_ || (chief_seen && h_.worker_state(0) == State::left)) return false;
+      if (timeout.count() <= 0 || stop_) return false;
       std::string why;
       if (!chief_seen && now - started_ > std::max<clock::duration>(l_.settings_.start_timeout, timeout))
         why =
