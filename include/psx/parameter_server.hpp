@@ -182,7 +182,7 @@ class ParameterServer {
   //! Starts the servers: each builds and initializes its shards, then serves
   //! on its own thread. Idempotent; throws `psx::shutdown_error` after shutdown.
   void start() {
-    if (core_->stopped.load()) throw shutdown_error("psx: start() after shutdown");
+    refuse_after_shutdown("start()");
     std::lock_guard start_lock(start_mu_);
     if (started_) return;
     // Build everything first; publish only a cluster whose servers all run,
@@ -234,6 +234,7 @@ class ParameterServer {
 
   //! Worker `index`'s handle, for callers that run workers on threads of their own.
   Worker worker(std::size_t index) {
+    refuse_after_shutdown("worker()");
     if (index >= config().num_workers)
       throw config_error("psx: worker " + std::to_string(index) + " of a cluster of " +
                          std::to_string(config().num_workers) + " workers");
@@ -265,10 +266,15 @@ class ParameterServer {
   //! steps stop waiting for it). A worker that throws is lost: the sync
   //! policy decides whether the others carry on without it or fail with
   //! `psx::peer_lost` (see `psx::OnWorkerLost`); either way no worker waits
-  //! forever, and once all have returned the first exception is rethrown.
+  //! forever (unless the throwing one's unwinding waits: see Handle), and
+  //! once all have returned the first exception is rethrown. Every worker
+  //! joins at the start (one that left counts again), and leaves at the end:
+  //! `worker(i)` after a `run()` gives a worker that no longer counts for
+  //! synchronous steps until the next `run()`.
   template <class F>
     requires std::invocable<F&, Worker&>
   void run(F&& fn) {
+    refuse_after_shutdown("run()");
     const std::vector<std::size_t> local = local_workers();
     if (local.empty()) {
       // A server process: serve until the cluster is done (without holding
@@ -305,31 +311,43 @@ class ParameterServer {
     std::exception_ptr first;
     std::mutex mu;
     std::vector<std::thread> workers;
-    workers.reserve(local.size());
-    for (std::size_t w : local) {
-      workers.emplace_back([&, w] {
-        Worker worker(*core_, w);
-        detail::running_worker = {core_.get(), w};
-        try {
-          fn(worker);
-          detail::announce(*core_, w, Op::leave);
-        } catch (...) {
-          auto error = std::current_exception();
-          {
-            std::lock_guard lock(mu);
-            if (!first) first = error;
-          }
-          std::string reason = "its function threw a non-standard exception";
+    std::size_t started = 0;
+    try {
+      workers.reserve(local.size());
+      for (; started < local.size(); ++started) {
+        const std::size_t w = local[started];
+        workers.emplace_back([&, w] {
+          Worker worker(*core_, w);
+          detail::running_worker = {core_.get(), w};
           try {
-            std::rethrow_exception(error);
-          } catch (const std::exception& e) {
-            reason = std::string("its function threw: ") + e.what();
+            fn(worker);
+            detail::announce(*core_, w, Op::leave);
           } catch (...) {
+            auto error = std::current_exception();
+            {
+              std::lock_guard lock(mu);
+              if (!first) first = error;
+            }
+            std::string reason = "its function threw a non-standard exception";
+            try {
+              std::rethrow_exception(error);
+            } catch (const std::exception& e) {
+              reason = std::string("its function threw: ") + e.what();
+            } catch (...) {
+            }
+            detail::announce(*core_, w, Op::fail, reason);
           }
-          detail::announce(*core_, w, Op::fail, reason);
-        }
-        if (core_->worker_ends) core_->worker_ends(w);
-      });
+          if (core_->worker_ends) core_->worker_ends(w);
+        });
+      }
+    } catch (...) {
+      // No thread (or no memory) for a worker: those not started fail as a
+      // worker that threw does (the sync policy decides for the others),
+      // the started ones are joined, and the error is rethrown.
+      for (std::size_t k = started; k < local.size(); ++k)
+        detail::announce(*core_, local[k], Op::fail, "no thread could be started for it");
+      for (auto& t : workers) t.join();
+      throw;
     }
     for (auto& t : workers) t.join();
     if (first) std::rethrow_exception(first);
@@ -367,6 +385,7 @@ class ParameterServer {
   //! such a thread's read leaves at the simulated time of the first local
   //! worker, and the thread runs events while it waits, as a worker would).
   std::vector<float> read(std::string_view name) {
+    refuse_after_shutdown("read()");
     start();
     const VariableInfo& v = lookup(name, "read");
     std::vector<float> out(v.meta.size());
@@ -460,6 +479,11 @@ class ParameterServer {
       core_->wait(config().num_workers, *done);
     } catch (...) {  // a server that failed or stopped: the tables are read as they are
     }
+  }
+
+  // shutdown_error naming the call the user made (which starts the cluster).
+  void refuse_after_shutdown(const char* call) const {
+    if (core_->stopped.load()) throw shutdown_error(std::string("psx: ") + call + " after shutdown()");
   }
 
   // Calls `fn(table)` for each server's part of dynamic table `name`, in server order.

@@ -370,7 +370,9 @@ class Server final : public RequestHandler {
         // would stand in for one of them and let it through early.
         if (gone_[r.worker] == Gone::left)
           throw sync_error("psx: server " + std::to_string(index_) + ": a barrier from worker " +
-                           std::to_string(r.worker) + ", which has left the cluster (Worker::leave)");
+                           std::to_string(r.worker) +
+                           ", which has left the cluster (Worker::leave, or the end of its function in run(); it "
+                           "counts again from the next run())");
         barrier_.push_back(std::move(r));
         release_barrier();
         return;

@@ -67,7 +67,14 @@ struct PushItem {
 //! Waits for an asynchronous call. The buffers the call reads or fills must
 //! stay alive until `wait()` returns; a Handle that is destroyed without
 //! `wait()` waits in its destructor (and drops the error), so a buffer is
-//! never written after its owner let go of the handle.
+//! never written after its owner let go of the handle. A Handle may outlive
+//! its cluster (the cluster's shutdown finishes every call); a Worker may not.
+//!
+//! Keep no unwaited Handle across code that may throw in a synchronous
+//! cluster: while the exception unwinds, the destructor waits for the call,
+//! and a pull that waits for another worker's step never completes when
+//! that worker waits for this one (a barrier, the next step): the worker
+//! is not lost until its function has returned or thrown. `wait()` first.
 class Handle {
  public:
   //! Sent while a wait lasts, every `heartbeat_every`, so that servers the
@@ -121,6 +128,9 @@ class Handle {
     }
   }
   void block(Completion& done) const {
+    // A call that finished (every call, once its cluster shut down) is not
+    // waited on through the cluster: the handle may outlive it.
+    if (done.ready()) return done.wait();
     if (waiter_) waiter_(done);
     if (heartbeat_ && every_.count() > 0)
       while (!done.wait_for(every_)) heartbeat_();

@@ -13,6 +13,7 @@
 #include <future>
 #include <memory>
 #include <mutex>
+#include <new>
 #include <random>
 #include <span>
 #include <stdexcept>
@@ -636,8 +637,10 @@ TEST_CASE("every misuse of the worker API raises a typed error naming the variab
         "psx: worker 0: pull after the cluster shut down");
   CHECK_THROWS_AS(w.step(), psx::shutdown_error);
   CHECK_THROWS_AS(w.barrier(), psx::shutdown_error);
-  CHECK_THROWS_AS(ps.read("w"), psx::shutdown_error);
-  CHECK_THROWS_AS(ps.run([](psx::Worker&) {}), psx::shutdown_error);
+  CHECK(message_of<psx::shutdown_error>([&] { ps.read("w"); }) == "psx: read() after shutdown()");
+  CHECK(message_of<psx::shutdown_error>([&] { ps.run([](psx::Worker&) {}); }) == "psx: run() after shutdown()");
+  CHECK(message_of<psx::shutdown_error>([&] { ps.worker(0); }) == "psx: worker() after shutdown()");
+  CHECK(message_of<psx::shutdown_error>([&] { ps.start(); }) == "psx: start() after shutdown()");
 }
 
 TEST_CASE("what declare returns outlives later declarations; the cluster's own lookups name themselves") {
@@ -851,6 +854,66 @@ TEST_CASE("clusters shut down in any state") {
   }
 }
 
+TEST_CASE("a Handle may outlive its cluster; waiting on it then reads nothing of the cluster") {
+  // Its waiter used the cluster's state, freed with it (AddressSanitizer
+  // saw the heap-use-after-free).
+  std::vector<float> out(4), other(4);
+  psx::Handle finished, dropped;
+  {
+    psx::ParameterServer<psx::partition::HashByName, psx::sync::Asynchronous> ps({1, 1, std::chrono::seconds(1)});
+    ps.declare(psx::dense("x", {4}, psx::Initializer::constant(2.0f)));
+    auto w = ps.worker(0);
+    finished = w.pull_async("x", out);
+    dropped = w.pull_async("x", other);
+    while (!finished.ready() || !dropped.ready()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  finished.wait();
+  CHECK(out == std::vector<float>(4, 2.0f));
+}
+
+TEST_CASE("run() without memory or a thread for a worker throws, and no worker waits for the missing one") {
+  if (!psx_test::can_fail_allocations()) {
+    MESSAGE("skipped: no allocation-failure hook in this build (ThreadSanitizer)");
+    return;
+  }
+  // The k-th allocation of the calling thread fails: before the workers
+  // joined, while their threads start (each std::thread allocates its
+  // state; a failure there was std::terminate: threads started were still
+  // joinable), or not at all. The workers started wait for each other's
+  // steps (Synchronous): the missing ones must fail, not be waited for.
+  bool failed_with_threads_running = false;
+  for (long k = 0; k < 60; ++k) {
+    CAPTURE(k);
+    Watchdog dog("run without memory");
+    psx::ParameterServer<> ps({2, 3});
+    ps.declare(psx::dense("x", {4}));
+    ps.start();
+    std::atomic<int> entered{0};
+    std::string outcome = "returned";
+    psx_test::fail_allocation(k);
+    try {
+      ps.run([&](psx::Worker& w) {
+        ++entered;
+        std::vector<float> x(4), g(4, 1.0f);
+        for (int s = 0; s < 3; ++s) {
+          w.pull("x", x);
+          w.push("x", g);
+          w.step();
+        }
+      });
+    } catch (const std::bad_alloc&) {
+      outcome = "bad_alloc";
+    } catch (const psx::peer_lost&) {  // a worker's error, where the others failed first
+      outcome = "peer_lost";
+    }
+    psx_test::fail_allocation(-1);
+    CHECK((outcome == "returned" || outcome == "bad_alloc"));
+    if (outcome == "bad_alloc" && entered > 0) failed_with_threads_running = true;
+    if (outcome == "returned") break;  // k is past run()'s allocations
+  }
+  CHECK(failed_with_threads_running);
+}
+
 TEST_CASE("a start that fails leaves nothing half-started") {
   Watchdog dog("failed start");
   psx::ParameterServer<psx::partition::HashByName, psx::sync::SyncReplicas<3>> ps({1, 2});
@@ -940,8 +1003,9 @@ TEST_CASE("a worker that left cannot enter a barrier (it would let a worker stil
   auto w0 = ps.worker(0), w1 = ps.worker(1), w2 = ps.worker(2);
   w0.leave();
   const std::string m = message_of<psx::sync_error>([&] { w0.barrier(); });  // from either server
-  CHECK((m == "psx: server 0: a barrier from worker 0, which has left the cluster (Worker::leave)" ||
-         m == "psx: server 1: a barrier from worker 0, which has left the cluster (Worker::leave)"));
+  const std::string left = ": a barrier from worker 0, which has left the cluster (Worker::leave, or the end of its "
+                           "function in run(); it counts again from the next run())";
+  CHECK((m == "psx: server 0" + left || m == "psx: server 1" + left));
   std::thread t1([&] { w1.barrier(); });
   w2.barrier();  // the two still training meet
   t1.join();
