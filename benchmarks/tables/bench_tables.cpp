@@ -24,7 +24,8 @@
 //            starts, rows in a flat array per thread (IdealTable below);
 //            the same copies, initial values, duplicate sums and updates.
 //            What every way must still do: floor / map is about the most
-//            any table could gain over the map in this stream.
+//            a table doing the same sums and updates could gain over the
+//            map in this stream.
 // Throughput is ids per second of pull and of push, summed over threads;
 // the goal (issue 9) is the cluster at 3x the map or better. This machine's
 // figures move from run to run (a shared virtual machine), so each
@@ -200,7 +201,7 @@ Rates run_table(const std::vector<std::vector<std::uint64_t>>& ids, std::size_t 
   return r;
 }
 
-// The floor: what any table must still do after finding a row. Before the
+// The floor: what a table must still do after finding a row. Before the
 // clock starts, every id of a thread's stream is numbered by its place among
 // the stream's distinct ids in id order (a perfect hash: no lookup at all,
 // rows spread over the array as the hashed ids are), and each thread has
@@ -210,8 +211,9 @@ Rates run_table(const std::vector<std::vector<std::uint64_t>>& ids, std::size_t 
 // (the same RowAccumulator: summing by the numbers themselves, in an array
 // of one entry per row, measured slower, its misses costing more than the
 // hashing into a small table) and Adagrad updates as the map and the
-// table. Its rate over the map's is about the most any table could gain
-// here: what is left is work every way does.
+// table. Its rate over the map's is about the most a table doing the same
+// sums and updates could gain here: what is left is work every way does
+// (a table could still sum or update faster than this code does).
 class IdealTable {
  public:
   // `id_of[i]`: the id numbered i.
@@ -371,6 +373,7 @@ int main(int argc, char** argv) {
   transport << cluster_transport();
   std::printf("\ngoal: cluster / map >= 3x (pull and push); the cluster ran with %s\n"
               "floor: no lookup at all (ids numbered beforehand, a private flat array per thread), the same copies,\n"
-              "initial values, duplicate sums and updates; floor / map is the most any table could gain here\n",
+              "initial values, duplicate sums and updates; floor / map is about the most a table doing the same\n"
+              "sums and updates could gain here\n",
               transport.str().c_str());
 }

@@ -232,7 +232,9 @@ class ParameterServer {
     if (core_->stopped.load()) shutdown();
   }
 
-  //! Worker `index`'s handle, for callers that run workers on threads of their own.
+  //! Worker `index`'s handle, for callers that run workers on threads of
+  //! their own. Starts the cluster; throws `psx::shutdown_error` after
+  //! shutdown. The Worker must not outlive the cluster (its Handles may).
   Worker worker(std::size_t index) {
     refuse_after_shutdown("worker()");
     if (index >= config().num_workers)
@@ -312,6 +314,7 @@ class ParameterServer {
     std::mutex mu;
     std::vector<std::thread> workers;
     std::size_t started = 0;
+    const std::string no_thread = "no thread could be started for it";  // made here: the handler below allocates nothing
     try {
       workers.reserve(local.size());
       for (; started < local.size(); ++started) {
@@ -342,10 +345,16 @@ class ParameterServer {
       }
     } catch (...) {
       // No thread (or no memory) for a worker: those not started fail as a
-      // worker that threw does (the sync policy decides for the others),
-      // the started ones are joined, and the error is rethrown.
-      for (std::size_t k = started; k < local.size(); ++k)
-        detail::announce(*core_, local[k], Op::fail, "no thread could be started for it");
+      // worker that threw does (the sync policy decides for the others) and
+      // end (a simulated cluster waits for a worker that began), the started
+      // ones are joined, and the error is rethrown.
+      for (std::size_t k = started; k < local.size(); ++k) {
+        detail::announce(*core_, local[k], Op::fail, no_thread);
+        try {
+          if (core_->worker_ends) core_->worker_ends(local[k]);
+        } catch (...) {  // the link is closing: nobody waits for it
+        }
+      }
       for (auto& t : workers) t.join();
       throw;
     }

@@ -128,9 +128,6 @@ class Handle {
     }
   }
   void block(Completion& done) const {
-    // A call that finished (every call, once its cluster shut down) is not
-    // waited on through the cluster: the handle may outlive it.
-    if (done.ready()) return done.wait();
     if (waiter_) waiter_(done);
     if (heartbeat_ && every_.count() > 0)
       while (!done.wait_for(every_)) heartbeat_();
@@ -167,6 +164,9 @@ struct ClusterCore {
   std::function<void(std::size_t, Completion&)> await;
   std::function<void(std::size_t)> worker_begins;
   std::function<void(std::size_t)> worker_ends;
+  // Expires with the cluster: a Handle that outlives it does not wait
+  // through it (its shutdown finished every call).
+  std::shared_ptr<const bool> alive = std::make_shared<const bool>(true);
 
   // Waits for `done` on behalf of worker `w`; rethrows its error.
   void wait(std::size_t w, Completion& done) const {
@@ -462,10 +462,15 @@ class Worker {
   Handle handle(std::shared_ptr<Completion> done) const {
     const auto timeout = core_->config.peer_timeout;
     Handle::Waiter waiter;
-    if (core_->await) waiter = [core = core_, index = waits_as_](Completion& c) { core->await(index, c); };
+    if (core_->await)
+      waiter = [core = core_, alive = std::weak_ptr<const bool>(core_->alive), index = waits_as_](Completion& c) {
+        if (!alive.expired()) core->await(index, c);
+      };
     if (timeout.count() <= 0 || waits_as_ != index_) return Handle(std::move(done), std::move(waiter));
     return Handle(std::move(done), std::move(waiter),
-                  [core = core_, index = index_] { detail::announce(*core, index, Op::heartbeat); },
+                  [core = core_, alive = std::weak_ptr<const bool>(core_->alive), index = index_] {
+                    if (!alive.expired()) detail::announce(*core, index, Op::heartbeat);
+                  },
                   std::max<std::chrono::milliseconds>(timeout / 4, std::chrono::milliseconds(1)));
   }
 

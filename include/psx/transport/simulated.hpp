@@ -380,26 +380,32 @@ class Simulated::link_type {
     Waiter me{ws};
     waiters_.emplace(&done, &me);
     std::exception_ptr error;
-    while (!done.ready() && !me.woken) {
-      if (stuck_) {
-        error = std::make_exception_ptr(sync_error(stuck_message_));
-        break;
+    try {
+      while (!done.ready() && !me.woken) {
+        if (stuck_) {
+          error = std::make_exception_ptr(sync_error(stuck_message_));
+          break;
+        }
+        if (!closed_ && registered_ == num_servers_ && !events_.empty() && may_run(events_.front())) {
+          run_one();
+          continue;
+        }
+        // Stuck for good: every worker of the run waits (or has ended) and
+        // nothing is in flight. (Workers driven by threads the link does not
+        // know of may still send: no verdict then.)
+        if (!closed_ && registered_ == num_servers_ && events_.empty() && computing_ == 0 && waiting_ > 0 &&
+            waiting_ + ended_ == num_workers_) {
+          stuck_ = true;
+          stuck_message_ = describe_stuck();
+          call_all();
+          continue;
+        }
+        me.cv.wait(lock);
       }
-      if (!closed_ && registered_ == num_servers_ && !events_.empty() && may_run(events_.front())) {
-        run_one();
-        continue;
-      }
-      // Stuck for good: every worker of the run waits (or has ended) and
-      // nothing is in flight. (Workers driven by threads the link does not
-      // know of may still send: no verdict then.)
-      if (!closed_ && registered_ == num_servers_ && events_.empty() && computing_ == 0 && waiting_ > 0 &&
-          waiting_ + ended_ == num_workers_) {
-        stuck_ = true;
-        stuck_message_ = describe_stuck();
-        call_all();
-        continue;
-      }
-      me.cv.wait(lock);
+    } catch (...) {
+      // An event that threw (no memory): this waiter goes as it would have
+      // returned (`me` lives on this stack: close() would wake it later).
+      error = std::current_exception();
     }
     waiters_.erase(&done);
     if (!events_.empty()) call_one();  // someone else may run them meanwhile
