@@ -645,6 +645,24 @@ struct RawWorker {
   }
 };
 
+// A ps process of `Cluster` on its own thread: `how` it ended ("returned",
+// or the peer_lost message), then `ended`.
+template <class Cluster, class Declare, class Dir>
+std::thread serve(const psx::ClusterConfig& config, const ClusterSpec& c, const Dir& dir, Declare declare,
+                  std::atomic<bool>& ended, std::string& how) {
+  return std::thread([&c, &dir, &ended, &how, config, declare] {
+    Cluster ps(config, {}, {}, {0.1f}, settings(c, "ps", 0, dir));
+    declare(ps);
+    try {
+      ps.run([](psx::Worker&) {});
+      how = "returned";
+    } catch (const psx::peer_lost& e) {
+      how = e.what();
+    }
+    ended = true;
+  });
+}
+
 }  // namespace
 
 TEST_CASE("zmq: a server stops when the chief dies while others wait, and when a worker died before the stop") {
@@ -668,17 +686,7 @@ TEST_CASE("zmq: a server stops when the chief dies while others wait, and when a
       const ClusterSpec c = spec(1, 2, false, dir.path);
       std::atomic<bool> ended{false};
       std::string how;
-      std::thread server([&] {
-        Sync ps(config, {}, {}, {0.1f}, settings(c, "ps", 0, dir.path));
-        declare(ps);
-        try {
-          ps.run([](psx::Worker&) {});
-          how = "returned";
-        } catch (const psx::peer_lost& e) {
-          how = e.what();
-        }
-        ended = true;
-      });
+      std::thread server = serve<Sync>(config, c, dir.path, declare, ended, how);
       std::thread worker1([&] {
         Sync w(config, {}, {}, {0.1f}, settings(c, "worker", 0, dir.path));
         declare(w);
@@ -716,17 +724,7 @@ TEST_CASE("zmq: a server stops when the chief dies while others wait, and when a
     const ClusterSpec c = spec(1, 2, false, dir.path);
     std::atomic<bool> ended{false};
     std::string how;
-    std::thread server([&] {
-      Async ps(config, {}, {}, {0.1f}, settings(c, "ps", 0, dir.path));
-      declare(ps);
-      try {
-        ps.run([](psx::Worker&) {});
-        how = "returned";
-      } catch (const psx::peer_lost& e) {
-        how = e.what();
-      }
-      ended = true;
-    });
+    std::thread server = serve<Async>(config, c, dir.path, declare, ended, how);
     {
       RawWorker chief(published_endpoint(dir.path), 0, fingerprint_of(psx::sync::Asynchronous{}), 2);
       chief.send(psx::Op::leave, 2);
