@@ -7,6 +7,8 @@
 
 #include "../support.hpp"
 
+#include <malloc.h>
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -445,6 +447,38 @@ TEST_CASE("embedding: an allocation that fails during an eviction leaves the del
       CHECK(t.stats().removal_log == logged());
     }
   CHECK(failures > 10);  // the loop reached the evictions' allocations
+}
+
+TEST_CASE("embedding: a thread keeps no more than 16 MiB of a large call's working memory") {
+  // The duplicate sums of a push were kept for the next call whatever their
+  // size (up to 65536 ids of any width): 60000 rows of 256 floats left
+  // 60 MiB on the calling thread, outside the table's 8 MiB cap.
+  const auto heap = [] {
+    const struct mallinfo2 m = mallinfo2();
+    return static_cast<long long>(m.uordblks + m.hblkhd);  // mmapped blocks (large buffers) too
+  };
+  if (heap() == 0) {
+    MESSAGE("skipped: mallinfo2 counts nothing under this build's allocator (a sanitizer's)");
+    return;
+  }
+  const psx::optim::SGD sgd{.lr = 0.1};
+  TableOptions o;
+  o.memory_cap_bytes = 8u << 20;
+  DynamicTable<psx::optim::SGD> t("emb", 256, {}, o, sgd);
+  std::vector<std::uint64_t> ids(60000);
+  for (std::size_t j = 0; j < ids.size(); ++j) ids[j] = j;
+  std::vector<float> grads(ids.size() * 256, 1.0f);  // 61 MB
+  const long long before = heap();
+  t.push(sgd, ids, grads, at_step(1));
+  const long long grew = heap() - before;
+  CHECK(t.stats().bytes <= o.memory_cap_bytes);
+  if (grew < static_cast<long long>(t.stats().bytes) / 2) {
+    MESSAGE("skipped: mallinfo2 does not see this build's allocations (a sanitizer's allocator)");
+    return;
+  }
+  // What the table grew by, its bookkeeping outside the count and the call's id-sized
+  // scratch (about 3 MB together here), with room to spare.
+  CHECK(grew <= static_cast<long long>(o.memory_cap_bytes) + (8ll << 20));
 }
 
 TEST_CASE("embedding: 8 threads pull and push one table at once") {
