@@ -461,14 +461,15 @@ class Worker {
   // A handle whose wait sends heartbeats when the cluster has a peer timeout.
   Handle handle(std::shared_ptr<Completion> done) const {
     const auto timeout = core_->config.peer_timeout;
+    const std::weak_ptr<const bool> alive = core_->alive;
     Handle::Waiter waiter;
     if (core_->await)
-      waiter = [core = core_, alive = std::weak_ptr<const bool>(core_->alive), index = waits_as_](Completion& c) {
+      waiter = [core = core_, alive, index = waits_as_](Completion& c) {
         if (!alive.expired()) core->await(index, c);
       };
     if (timeout.count() <= 0 || waits_as_ != index_) return Handle(std::move(done), std::move(waiter));
     return Handle(std::move(done), std::move(waiter),
-                  [core = core_, alive = std::weak_ptr<const bool>(core_->alive), index = index_] {
+                  [core = core_, alive, index = index_] {
                     if (!alive.expired()) detail::announce(*core, index, Op::heartbeat);
                   },
                   std::max<std::chrono::milliseconds>(timeout / 4, std::chrono::milliseconds(1)));
