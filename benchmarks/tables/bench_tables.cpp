@@ -76,6 +76,13 @@ struct Timing {
   std::size_t ids = 0;
 };
 
+// The same update everywhere: Adagrad on a row's `dim` floats, its
+// accumulator right after them, with the summed gradient `g`.
+void update_row(float* row, const float* g, std::size_t dim, const psx::UpdateContext& ctx) {
+  float* bases[] = {row + dim};
+  kOpt.update(std::span<float>(row, dim), std::span<const float>(g, dim), psx::SlotView(bases, 1, 0, dim), ctx);
+}
+
 // The same gradient everywhere: a function of the value pulled.
 void gradient(const std::vector<float>& rows, std::vector<float>& g) {
   for (std::size_t i = 0; i < rows.size(); ++i) g[i] = 0.1f * rows[i] + 0.01f;
@@ -160,9 +167,7 @@ class MapTable {
         row.assign(2 * dim_, static_cast<float>(kOpt.initial_accumulator_value));
         kInit.fill_row("emb", it->first, std::span<float>(row.data(), dim_));
       }
-      float* bases[] = {row.data() + dim_};
-      kOpt.update(std::span<float>(row.data(), dim_), std::span<const float>(sum_.row_data(k), dim_),
-                  psx::SlotView(bases, 1, 0, dim_), ctx);
+      update_row(row.data(), sum_.row_data(k), dim_, ctx);
     }
   }
 
@@ -250,9 +255,7 @@ class IdealTable {
           kInit.fill_row("emb", id_of_[i], std::span<float>(r, dim_));
           std::fill_n(r + dim_, dim_, static_cast<float>(kOpt.initial_accumulator_value));
         }
-        float* bases[] = {r + dim_};
-        kOpt.update(std::span<float>(r, dim_), std::span<const float>(sum_.row_data(k), dim_),
-                    psx::SlotView(bases, 1, 0, dim_), ctx);
+        update_row(r, sum_.row_data(k), dim_, ctx);
       }
     }
   }
