@@ -172,7 +172,14 @@ for sig in TERM INT; do
   "$launch" --ps 1 --workers 2 -- "$fail_prog" "$marker" sleep >"$tmp/out" 2>"$tmp/err" &
   pid=$!
   set +m
-  sleep 0.4
+  # Signal only once the three programs run (each has started its child): a
+  # signal before the launcher has set its traps would kill it silently, with
+  # nothing started, and a loaded machine can take longer than any fixed sleep.
+  for ((i = 0; i < 400; i++)); do
+    (($(pgrep -fc "child-$marker") >= 3)) && break
+    sleep 0.05
+  done
+  (($(pgrep -fc "child-$marker") >= 3)) || fail "(b) SIG$sig: the programs did not start within 20 s"
   t0=$(ms)
   kill -s "$sig" "$pid"
   for ((i = 0; i < 200; i++)); do kill -0 "$pid" 2>/dev/null || break; sleep 0.05; done
