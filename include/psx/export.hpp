@@ -478,6 +478,20 @@ inline const char* npy_descr(const std::string& dtype) {
   return dtype == "float32" ? "<f4" : dtype == "float16" ? "<f2" : dtype == "int8" ? "|i1" : "<u2";  // bfloat16: its bits
 }
 
+// Whether `name`, as a zip member's path, could be written outside the
+// directory it is unzipped into: absolute, with a ".." part, or with a
+// backslash or NUL (separators and terminators to some unzippers).
+inline bool escapes_directory(std::string_view name) {
+  if (name.starts_with('/') || name.find('\\') != std::string_view::npos || name.find('\0') != std::string_view::npos)
+    return true;
+  for (std::size_t at = 0; at <= name.size();) {
+    const std::size_t end = std::min(name.find('/', at), name.size());
+    if (name.substr(at, end - at) == "..") return true;
+    at = end + 1;
+  }
+  return false;
+}
+
 inline void write_npz(const fs::path& file, const std::vector<ExportedTensor>& tensors) {
   ZipWriter zip(file);
   for (const ExportedTensor& t : tensors) {
@@ -566,6 +580,12 @@ inline fs::path write_export(std::vector<Source> sources, std::uint64_t step, co
   std::map<std::string, std::string> names;
   if (o.safetensors) names.emplace("__metadata__", "");  // the safetensors header's own key
   for (const ExportedTensor& t : tensors) {
+    // A zip member is a path to whoever unzips model.npz: one that leaves the
+    // directory it is unzipped into ("zip slip") is refused.
+    if (o.npz && escapes_directory(t.name))
+      throw config_error("psx: export: variable '" + t.name +
+                         "' would name an .npz member outside the archive's directory (an absolute path, a '..' "
+                         "part, a backslash or a NUL); rename it or export without npz");
     std::vector<std::string> own = {t.name};
     if (t.sparse) own = {t.name + ".values", t.name + ".indices", t.name + ".shape"};
     if (!t.scales.empty()) own.push_back(t.name + ".scale");

@@ -179,6 +179,44 @@ TEST_CASE("export: a variable named like another's scales is refused before anyt
   CHECK(fs::is_empty(base.path));
 }
 
+TEST_CASE("export: a name that would unzip outside the npz's directory is refused; slashes within are kept") {
+  TempDir base("psx-export-zipslip");
+  SGDCluster ps({1, 1}, {}, {}, {1.0});
+  const std::vector<std::string> refused = {"../up", "a/../../up", "..", "/etc/x", "a\\b"};
+  for (const std::string& name : refused) ps.declare(psx::dense(name, {2}));
+  ps.declare(psx::dense("layer/w", {2}));
+  ps.declare(psx::dense("..x", {2}));
+  ps.run([&](psx::Worker& w) {
+    for (const std::string& name : refused) set_values(ps, w, {{name, ramp(2, 1.0f, 1.0f)}});
+    set_values(ps, w, {{"layer/w", ramp(2, 1.0f, 1.0f)}, {"..x", ramp(2, 1.0f, 1.0f)}});
+    psx::ExportOptions o;
+    o.base = base.path;
+    for (const std::string& name : refused) {
+      CAPTURE(name);
+      o.variables = {name};
+      const std::string message = psx_test::message_of<psx::config_error>([&] { psx::export_model(ps, w, o); });
+      CHECK(message.find("variable '" + name + "' would name an .npz member outside") != std::string::npos);
+    }
+    CHECK(fs::is_empty(base.path));
+    // Without the npz the same names export (safetensors and model.psx keep them as keys).
+    o.variables = {"../up"};
+    o.npz = false;
+    o.version = 1;
+    const psx::Export e = psx::load_export(psx::export_model(ps, w, o));
+    CHECK(e["../up"].to_float() == std::vector<float>{1.0f, 2.0f});
+    // A slash inside a name is a folder within the archive, and ".." only
+    // as a whole part is refused.
+    o.variables = {"layer/w", "..x"};
+    o.npz = true;
+    o.version = 2;
+    const fs::path dir = psx::export_model(ps, w, o);
+    std::ifstream in(dir / "model.npz", std::ios::binary);
+    const std::string zip{std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+    CHECK(zip.find("layer/w.npy") != std::string::npos);
+    CHECK(zip.find("..x.npy") != std::string::npos);
+  });
+}
+
 TEST_CASE("export: what the formats cannot hold is refused, names as readers take them") {
   TempDir base("psx-export-edges");
   SGDCluster ps({1, 1}, {}, {}, {1.0});
