@@ -670,14 +670,24 @@ class Writer {
   std::chrono::steady_clock::time_point last_write_ = std::chrono::steady_clock::now();
 };
 
+//! What `read_events` does with a last record cut short by the end of the
+//! file, as a file has while another process is writing that record.
+enum class Tail {
+  refuse,  //!< throw summary_error: a finished file ends after a whole record
+  stop,    //!< return the events before it (read again later for the rest)
+};
+
 //! Every event of an event file, in order. Checks each record's length CRC
 //! and data CRC and decodes the fields above (unknown fields are skipped);
 //! a truncated, corrupted or malformed record throws summary_error naming
-//! the file and the record's byte offset. Memory grows with the file, never
+//! the file and the record's byte offset. With `Tail::stop`, a record that
+//! the end of the file cuts short (a header of under 12 bytes, or a length
+//! whose CRC matches and that runs past the end) ends the events instead;
+//! a CRC that does not match still throws. Memory grows with the file, never
 //! with what its bytes claim: a length beyond the file is refused before
 //! anything is allocated; each value decoded takes sizeof(Value) bytes (a
 //! few hundred), where the file may spend as few as 2 on it.
-inline std::vector<Event> read_events(const std::filesystem::path& file) {
+inline std::vector<Event> read_events(const std::filesystem::path& file, Tail tail = Tail::refuse) {
   std::error_code ec;
   const std::uint64_t size = std::filesystem::file_size(file, ec);
   if (ec) throw summary_error("psx::summary: cannot read " + file.string() + ": " + ec.message());
@@ -697,14 +707,19 @@ inline std::vector<Event> read_events(const std::filesystem::path& file) {
   for (std::uint64_t offset = 0; offset < size;) {
     const std::uint64_t left = size - offset;
     char head[12];
-    if (left < 12) throw fail(offset, "truncated: a 12-byte header, " + std::to_string(left) + " bytes left");
+    if (left < 12) {
+      if (tail == Tail::stop) break;
+      throw fail(offset, "truncated: a 12-byte header, " + std::to_string(left) + " bytes left");
+    }
     if (!in.read(head, 12)) throw fail(offset, "read error");
     const std::uint64_t length = le(head, 8);
     if (le(head + 8, 4) != detail::masked_crc32c({head, 8}))
       throw fail(offset, "the length's CRC does not match (corrupted)");
-    if (length > left - 12 || left - 12 - length < 4)
+    if (length > left - 12 || left - 12 - length < 4) {
+      if (tail == Tail::stop) break;
       throw fail(offset, "truncated: " + std::to_string(length) + " bytes of data and 4 of CRC, " +
                              std::to_string(left - 12) + " bytes left");
+    }
     data.resize(static_cast<std::size_t>(length));
     char crc[4];
     if (!in.read(data.data(), static_cast<std::streamsize>(length)) || !in.read(crc, 4))

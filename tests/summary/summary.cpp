@@ -450,6 +450,8 @@ TEST_CASE("summary: every corrupted or truncated record is named with its offset
         // (its CRC is checked first, so this is the CRC message).
         CHECK(e.find(byte < offsets[r] + 12 ? "the length's CRC does not match" : "the data's CRC does not match") !=
               std::string::npos);
+        // Corruption is no truncated tail: it throws whatever the tail option.
+        CHECK_THROWS_AS(psx::summary::read_events(bad, psx::summary::Tail::stop), psx::summary_error);
       }
     }
   }
@@ -461,10 +463,15 @@ TEST_CASE("summary: every corrupted or truncated record is named with its offset
         CHECK(psx::summary::read_events(bad).size() == static_cast<std::size_t>(at - offsets.begin()));
         continue;
       }
-      const std::size_t record = *(std::upper_bound(offsets.begin(), offsets.end(), size) - 1);
+      const auto next = std::upper_bound(offsets.begin(), offsets.end(), size);
+      const std::size_t record = *(next - 1);
       const std::string e = read_error(bad);
       INFO("size " << size << ": " << e);
       CHECK(e.find("record at byte offset " + std::to_string(record) + ": truncated") != std::string::npos);
+      // A reader of a file still being written takes the whole records.
+      const auto whole = psx::summary::read_events(bad, psx::summary::Tail::stop);
+      CHECK(whole.size() == static_cast<std::size_t>(next - 1 - offsets.begin()));
+      if (!whole.empty()) CHECK(whole.back().step == static_cast<std::int64_t>(whole.size()) - 1);
     }
   }
   SUBCASE("a length CRC resealed over a huge length: no allocation, truncated") {
@@ -476,6 +483,7 @@ TEST_CASE("summary: every corrupted or truncated record is named with its offset
     write_bytes(bad, copy);
     const std::string at = "record at byte offset " + std::to_string(offsets[2]) + ": ";
     CHECK(read_error(bad).find(at + "truncated: 4611686018427387904") != std::string::npos);
+    CHECK(psx::summary::read_events(bad, psx::summary::Tail::stop).size() == 2);
   }
   SUBCASE("valid framing around malformed protobuf") {
     const auto sealed = [&](const std::string& data) {
