@@ -479,11 +479,14 @@ inline const char* npy_descr(const std::string& dtype) {
 }
 
 // Whether `name`, as a zip member's path, could be written outside the
-// directory it is unzipped into: absolute, with a ".." part, or with a
-// backslash or NUL (separators and terminators to some unzippers).
+// directory it is unzipped into: absolute ("/x", or a Windows drive "C:x"),
+// with a ".." part, or with a backslash or NUL (separators and terminators
+// to some unzippers). A ':' elsewhere ("dense/kernel:0") is kept.
 inline bool escapes_directory(std::string_view name) {
   if (name.starts_with('/') || name.find('\\') != std::string_view::npos || name.find('\0') != std::string_view::npos)
     return true;
+  const auto letter = [](char c) { return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z'); };
+  if (name.size() >= 2 && letter(name[0]) && name[1] == ':') return true;
   for (std::size_t at = 0; at <= name.size();) {
     const std::size_t end = std::min(name.find('/', at), name.size());
     if (name.substr(at, end - at) == "..") return true;
@@ -567,7 +570,6 @@ inline fs::path write_export(std::vector<Source> sources, std::uint64_t step, co
   const std::uint64_t version = o.version.value_or(step);
   const fs::path final_dir = base / std::to_string(version);
   try {
-    fs::create_directories(base);
     if (fs::exists(final_dir)) ck::fail(final_dir, "exists: an export version is never overwritten");
   } catch (const fs::filesystem_error& e) {
     throw checkpoint_error("psx: export into " + base.string() + ": " + e.what());
@@ -583,9 +585,9 @@ inline fs::path write_export(std::vector<Source> sources, std::uint64_t step, co
     // A zip member is a path to whoever unzips model.npz: one that leaves the
     // directory it is unzipped into ("zip slip") is refused.
     if (o.npz && escapes_directory(t.name))
-      throw config_error("psx: export: variable '" + t.name +
-                         "' would name an .npz member outside the archive's directory (an absolute path, a '..' "
-                         "part, a backslash or a NUL); rename it or export without npz");
+      throw config_error("psx: export: variable " + json_string(t.name) +  // quoted: a NUL would end what()
+                         " would name an .npz member outside the archive's directory (an absolute path or drive, "
+                         "a '..' part, a backslash or a NUL); rename it or export without npz");
     std::vector<std::string> own = {t.name};
     if (t.sparse) own = {t.name + ".values", t.name + ".indices", t.name + ".shape"};
     if (!t.scales.empty()) own.push_back(t.name + ".scale");
@@ -597,6 +599,11 @@ inline fs::path write_export(std::vector<Source> sources, std::uint64_t step, co
                                      "without safetensors"
                                : "psx: export: '" + n + "' names a tensor of variable '" + t.name +
                                      "' and of variable '" + names[n] + "'; rename one");
+  }
+  try {  // only once nothing is refused: a refused export leaves no trace
+    fs::create_directories(base);
+  } catch (const fs::filesystem_error& e) {
+    throw checkpoint_error("psx: export into " + base.string() + ": " + e.what());
   }
   ExportMetadata m;
   m.step = step;
