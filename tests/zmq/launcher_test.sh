@@ -41,11 +41,11 @@ run() {
   elapsed=$(($(ms) - t0))
 }
 
-# Fails when a process of this test is still alive (after up to a second:
-# a process sent SIGKILL takes a moment to go).
+# Fails when a process of this test is still alive (after up to 5 seconds:
+# a process sent SIGKILL takes a moment to go, longer on a loaded machine).
 check_none_left() {
   local i
-  for ((i = 0; i < 20; i++)); do
+  for ((i = 0; i < 100; i++)); do
     pgrep -f "$marker" >/dev/null || return 0
     sleep 0.05
   done
@@ -141,7 +141,7 @@ chmod +x "$fail_prog"
 
 run --ps 2 --workers 3 -- "$fail_prog" "$marker" exit
 [[ $rc == 3 ]] || { fail "(b) exit status $rc, expected 3"; show; }
-((elapsed < 4000)) || fail "(b) took ${elapsed} ms, expected about 500"
+((elapsed < 15000)) || fail "(b) took ${elapsed} ms, expected about 500"
 grep -qx 'psx-launch: worker 0 exited with status 3; stopping the others' "$tmp/err" ||
   { fail "(b) no 'worker 0 exited with status 3' message"; show; }
 grep -qx '\[worker 0\] worker 0 gives up' "$tmp/out" || { fail "(b) the failing worker's output"; show; }
@@ -157,7 +157,7 @@ check_none_left "(b) signal"
 # Programs that ignore SIGTERM get SIGKILL after --grace.
 run --ps 1 --workers 2 --grace 0.5 -- "$fail_prog" "$marker" stubborn
 [[ $rc == 3 ]] || { fail "(b) --grace: exit status $rc, expected 3"; show; }
-((elapsed >= 900 && elapsed < 4000)) || fail "(b) --grace 0.5 after a failure at 0.5 s took ${elapsed} ms"
+((elapsed >= 900 && elapsed < 15000)) || fail "(b) --grace 0.5 after a failure at 0.5 s took ${elapsed} ms"
 check_none_left "(b) --grace"
 
 # All exit 0, one leaving a child behind: status 0, the child killed.

@@ -50,7 +50,8 @@ run "$h2" ps1 ps 1
 # Each server listens on its host's address only, not on every interface
 # (checked before the workers start, while the servers wait for them).
 for k in 0 1; do
-  for _ in $(seq 100); do [ -s "$work/rv/ps-$k" ] && break; sleep 0.05; done
+  for _ in $(seq 1200); do [ -s "$work/rv/ps-$k" ] && break; sleep 0.05; done
+  [ -s "$work/rv/ps-$k" ] || { echo "FAIL: server $k published no endpoint within 60 s"; exit 1; }
 done
 p0=$(sed 's/.*://' "$work/rv/ps-0") p1=$(sed 's/.*://' "$work/rv/ps-1")
 failures=0

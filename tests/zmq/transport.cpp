@@ -229,7 +229,7 @@ struct ServerThread {
         Zmq z = settings(c, "ps", 0, dir);
         if (adjust) adjust(z);
         ZmqCluster<psx::partition::HashByName, psx::sync::Synchronous, psx::optim::SGD> ps(
-            {1, workers, std::chrono::milliseconds(1000)}, {}, {}, psx::optim::SGD{0.05f}, z);
+            {1, workers, std::chrono::milliseconds(2000)}, {}, {}, psx::optim::SGD{0.05f}, z);
         declare(ps);
         try {
           ps.run([](psx::Worker&) {});
@@ -536,7 +536,7 @@ TEST_CASE("zmq: CURVE: an allowed client trains, a client not on the list change
     z.curve.server_public_key = server_pub;
     z.curve.client_public_key = pub;
     z.curve.client_secret_key = sec;
-    z.start_timeout = std::chrono::milliseconds(500);
+    if (pub == bad_pub) z.start_timeout = std::chrono::milliseconds(500);  // it waits in vain
     return z;
   };
   {
@@ -674,7 +674,7 @@ TEST_CASE("zmq: a server stops when the chief dies while others wait, and when a
     declare(ps);
     return wire::fingerprint(1, 2, ps.variables());
   };
-  const psx::ClusterConfig config{1, 2, 400ms};
+  const psx::ClusterConfig config{1, 2, 1000ms};  // a real peer beats every 250 ms
   SUBCASE("the chief dies while worker 1 waits on its step: the server stops with peer_lost") {
     // When the server itself declared the chief lost (worker 1's pull waits
     // on it) before its loop saw the silence, the loop took that for a chief
@@ -743,12 +743,8 @@ TEST_CASE("zmq: a server stops when the chief dies while others wait, and when a
     TempDir dir;
     const ClusterSpec c = spec(1, 2, false, dir.path);
     std::atomic<bool> ended{false};
-    std::thread server([&] {
-      Async ps(config, {}, {}, {0.1f}, settings(c, "ps", 0, dir.path));
-      declare(ps);
-      ps.run([](psx::Worker&) {});
-      ended = true;
-    });
+    std::string how;
+    std::thread server = serve<Async>(config, c, dir.path, declare, ended, how);
     {
       RawWorker w1(published_endpoint(dir.path), 1, fingerprint_of(psx::sync::Asynchronous{}), 2);
       w1.send(psx::Op::heartbeat);
@@ -768,6 +764,7 @@ TEST_CASE("zmq: a server stops when the chief dies while others wait, and when a
     while (!ended && std::chrono::steady_clock::now() - stopped < 10s) std::this_thread::sleep_for(10ms);
     CHECK_MESSAGE(ended.load(), "the server still serves 10 s after the chief's stop");
     server.join();
+    CHECK(how == "returned");
   }
 }
 
