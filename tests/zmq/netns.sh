@@ -49,9 +49,16 @@ run "$h2" ps1 ps 1
 
 # Each server listens on its host's address only, not on every interface
 # (checked before the workers start, while the servers wait for them).
+# (Up to 25 s each: a loaded machine is slow to start them, and the servers
+# give up on a chief that has not appeared after 30 s.)
 for k in 0 1; do
-  for _ in $(seq 1200); do [ -s "$work/rv/ps-$k" ] && break; sleep 0.05; done
-  [ -s "$work/rv/ps-$k" ] || { echo "FAIL: server $k published no endpoint within 60 s"; exit 1; }
+  eval "pid=\$pid_ps$k"
+  for _ in $(seq 500); do [ -s "$work/rv/ps-$k" ] || ! kill -0 "$pid" 2>/dev/null && break; sleep 0.05; done
+  if [ ! -s "$work/rv/ps-$k" ]; then
+    echo "FAIL: server $k published no endpoint (within 25 s, or before it exited)"
+    sed 's/^/    /' "$work/ps$k.log"
+    exit 1
+  fi
 done
 p0=$(sed 's/.*://' "$work/rv/ps-0") p1=$(sed 's/.*://' "$work/rv/ps-1")
 failures=0

@@ -681,14 +681,18 @@ TEST_CASE("zmq: a server stops when the chief dies while others wait, and when a
     // that had left and served on for ever: a race, which a run catches
     // about once in four without the fix; eight runs (9 in 10 catch it).
     using Sync = ZmqCluster<psx::partition::RowRange, psx::sync::Synchronous, psx::optim::SGD>;
+    // 400 ms: the server's tick (every timeout / 4) then ends nearly every
+    // pass of its loop, which is what the race needs; 300 ms of starvation
+    // of worker 1's beats would fail the check below, not hang.
+    const psx::ClusterConfig fast{1, 2, 400ms};
     for (int trial = 0; trial < 8; ++trial) {
       TempDir dir;
       const ClusterSpec c = spec(1, 2, false, dir.path);
       std::atomic<bool> ended{false};
       std::string how;
-      std::thread server = serve<Sync>(config, c, dir.path, declare, ended, how);
+      std::thread server = serve<Sync>(fast, c, dir.path, declare, ended, how);
       std::thread worker1([&] {
-        Sync w(config, {}, {}, {0.1f}, settings(c, "worker", 0, dir.path));
+        Sync w(fast, {}, {}, {0.1f}, settings(c, "worker", 0, dir.path));
         declare(w);
         try {
           w.run([](psx::Worker& wk) {
