@@ -600,11 +600,6 @@ inline fs::path write_export(std::vector<Source> sources, std::uint64_t step, co
                                : "psx: export: '" + n + "' names a tensor of variable '" + t.name +
                                      "' and of variable '" + names[n] + "'; rename one");
   }
-  try {  // only once nothing is refused: a refused export leaves no trace
-    fs::create_directories(base);
-  } catch (const fs::filesystem_error& e) {
-    throw checkpoint_error("psx: export into " + base.string() + ": " + e.what());
-  }
   ExportMetadata m;
   m.step = step;
   m.version = version;
@@ -626,7 +621,8 @@ inline fs::path write_export(std::vector<Source> sources, std::uint64_t step, co
   // TensorFlow Serving loads any numeric directory it sees: the version
   // is written under a dotted name and renamed when complete.
   const fs::path temp = base / (".tmp-" + std::to_string(version) + "-" + std::to_string(ck::random64()));
-  try {
+  try {  // only now that nothing is refused: a refused export leaves no trace
+    fs::create_directories(base);
     fs::create_directory(temp);
   } catch (const fs::filesystem_error& e) {
     throw checkpoint_error("psx: export into " + base.string() + ": " + e.what());
