@@ -47,6 +47,7 @@ enum class Op : std::uint8_t {
   save,       //!< write this server's shards into the checkpoint directory `Request::reason` (psx/checkpoint.hpp)
   restore,    //!< load this server's shards from the checkpoint directory `Request::reason`
   stats,      //!< the server's counters (ServerStats) into one item's `out` (detail::stats_floats floats)
+  cancel,     //!< finish the worker's kept request `Request::call` with an error, if the server keeps it (no item)
 };
 
 //! One shard of one variable touched by a request.
@@ -144,7 +145,7 @@ inline constexpr std::size_t staleness_buckets = 64;
 //! this process: `ParameterServer::server_stats(i)`; from any worker, over
 //! any transport: `Worker::server_stats()`.
 struct ServerStats {
-  std::uint64_t requests = 0;   //!< requests handled (a kept request counts when it arrives)
+  std::uint64_t requests = 0;   //!< requests handled (a kept request counts when it arrives; cancels count)
   std::uint64_t pulls = 0;      //!< pull, pull_rows and read requests answered
   std::uint64_t pushes = 0;     //!< push and push_rows requests taken
   std::uint64_t bytes_in = 0;   //!< gradient payload received
@@ -225,6 +226,11 @@ struct Request {
   //! The worker's clock (number of `step()` calls) when it sent this.
   std::uint64_t clock = 0;
   std::vector<Item> items;
+  //! Names a pull among its worker's calls, so that `Op::cancel` (which
+  //! carries the same worker and number) can name it; 0: not cancellable.
+  //! Numbered by the cluster's workers in a process (`transport::Zmq`'s
+  //! servers see its call id instead, of every request that wants an answer).
+  std::uint64_t call = 0;
   //! For `Op::fail`: what happened to the worker. For `Op::save` and
   //! `Op::restore`: the checkpoint directory (`clock` is then the step).
   std::string reason;

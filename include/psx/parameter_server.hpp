@@ -268,8 +268,9 @@ class ParameterServer {
   //! steps stop waiting for it). A worker that throws is lost: the sync
   //! policy decides whether the others carry on without it or fail with
   //! `psx::peer_lost` (see `psx::OnWorkerLost`); either way no worker waits
-  //! forever (unless the throwing one's unwinding waits: see Handle), and
-  //! once all have returned the first exception is rethrown. Every worker
+  //! forever (the throwing one's unwinding cancels the pulls it left
+  //! unwaited: see Handle), and once all have returned the first exception
+  //! is rethrown. Every worker
   //! joins at the start (one that left counts again), and leaves at the end:
   //! `worker(i)` after a `run()` gives a worker that no longer counts for
   //! synchronous steps until the next `run()`.

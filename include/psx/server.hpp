@@ -363,6 +363,10 @@ class Server final : public RequestHandler {
         break;
       case Op::heartbeat:
         break;  // last_seen_ is all it updates
+      case Op::cancel:
+        if (!r.items.empty()) throw wire_error("psx: " + where(r) + ": a cancel carries no item");
+        cancel(r);
+        break;
       case Op::barrier:
         if (!r.items.empty() && (r.items.size() != 1 || r.items[0].out.size() != 2))
           throw wire_error("psx: " + where(r) + ": a barrier carries no item, or one answer of 2 floats");
@@ -948,6 +952,26 @@ class Server final : public RequestHandler {
     for (Request& r : barrier_) r.finish(error());
     parked_.clear();
     barrier_.clear();
+  }
+
+  // Finishes the kept pull that `c` names (its worker's Request::call) with
+  // an error: its worker let go of the handle. One answered already, or
+  // never kept here, is nobody's: nothing to do.
+  void cancel(const Request& c) noexcept {
+    if (c.call == 0) return;
+    const auto it = std::find_if(parked_.begin(), parked_.end(),
+                                 [&](const Request& r) { return r.worker == c.worker && r.call == c.call; });
+    if (it == parked_.end()) return;
+    std::exception_ptr why;
+    try {
+      why = std::make_exception_ptr(error("psx: server " + std::to_string(index_) + ": worker " +
+                                          std::to_string(c.worker) +
+                                          "'s pull cancelled: its handle was let go before the answer"));
+    } catch (...) {  // no memory for the message: the pull still ends, with bad_alloc
+      why = std::current_exception();
+    }
+    it->finish(std::move(why));
+    parked_.erase(it);
   }
 
   // Applies every step the policy lets through, then retries kept pulls.

@@ -66,15 +66,16 @@ struct PushItem {
 
 //! Waits for an asynchronous call. The buffers the call reads or fills must
 //! stay alive until `wait()` returns; a Handle that is destroyed without
-//! `wait()` waits in its destructor (and drops the error), so a buffer is
-//! never written after its owner let go of the handle. A Handle may outlive
-//! its cluster (the cluster's shutdown finishes every call); a Worker may not.
-//!
-//! Keep no unwaited Handle across code that may throw in a synchronous
-//! cluster: while the exception unwinds, the destructor waits for the call,
-//! and a pull that waits for another worker's step never completes when
-//! that worker waits for this one (a barrier, the next step): the worker
-//! is not lost until its function has returned or thrown. `wait()` first.
+//! `wait()` (or assigned over) lets its call go: a pull that a server still
+//! keeps for the sync policy (one waiting for other workers' steps) is
+//! cancelled there, then the destructor waits for every part to finish (and
+//! drops the result and the error), so a buffer is never written after its
+//! owner let go of the handle. So a worker whose function throws (or
+//! returns) with a pull in flight that waits for a worker that waits for
+//! this one (a barrier, the next step) does not wait for ever in the
+//! unwinding: the pull ends, the function ends, and the worker counts as
+//! lost (or gone) for the sync policy. A Handle may outlive its cluster (the
+//! cluster's shutdown finishes every call); a Worker may not.
 class Handle {
  public:
   //! Sent while a wait lasts, every `heartbeat_every`, so that servers the
@@ -84,13 +85,17 @@ class Handle {
   //! cluster runs its events meanwhile); may throw when it never will be
   //! ready. Without one, the completion is waited for plainly.
   using Waiter = std::function<void(Completion&)>;
+  //! Asks the servers to let the call go (Op::cancel) when the handle is
+  //! dropped before the call finished; best effort, never throws out.
+  using Cancel = std::function<void()>;
 
   Handle() = default;
   explicit Handle(std::shared_ptr<Completion> done, Waiter waiter = {}, Heartbeat heartbeat = {},
-                  std::chrono::milliseconds heartbeat_every = {}) noexcept
+                  std::chrono::milliseconds heartbeat_every = {}, Cancel cancel = {}) noexcept
       : done_(std::move(done)),
         waiter_(std::move(waiter)),
         heartbeat_(std::move(heartbeat)),
+        cancel_(std::move(cancel)),
         every_(heartbeat_every) {}
   Handle(Handle&&) noexcept = default;
   Handle& operator=(Handle&& other) noexcept {
@@ -99,6 +104,7 @@ class Handle {
       done_ = std::move(other.done_);
       waiter_ = std::move(other.waiter_);
       heartbeat_ = std::move(other.heartbeat_);
+      cancel_ = std::move(other.cancel_);
       every_ = other.every_;
     }
     return *this;
@@ -122,6 +128,12 @@ class Handle {
   void settle() noexcept {
     if (!done_) return;
     auto done = std::move(done_);
+    if (cancel_ && !done->ready()) {
+      try {
+        cancel_();
+      } catch (...) {  // then the call runs its course, waited for below
+      }
+    }
     try {
       block(*done);
     } catch (...) {  // nobody asked for the result (or it can never come)
@@ -136,6 +148,7 @@ class Handle {
   std::shared_ptr<Completion> done_;
   Waiter waiter_;
   Heartbeat heartbeat_;
+  Cancel cancel_;
   std::chrono::milliseconds every_{0};
 };
 
@@ -158,6 +171,7 @@ struct ClusterCore {
   std::function<void(std::size_t, Request&&)> send;
   std::atomic<bool> stopped{false};
   std::vector<std::uint64_t> clocks;  // one per worker, touched only by that worker's thread
+  std::atomic<std::uint64_t> calls{0};  // numbers the cancellable pulls (Request::call)
   // Set when the link has the optional members of the same names (a
   // simulated cluster): how a worker (or, with an index >= num_workers,
   // another thread) waits, and which workers `run` is running.
@@ -458,8 +472,11 @@ class Worker {
     handle(std::move(done)).wait();
   }
 
-  // A handle whose wait sends heartbeats when the cluster has a peer timeout.
-  Handle handle(std::shared_ptr<Completion> done) const {
+  // A handle whose wait sends heartbeats when the cluster has a peer timeout,
+  // and that cancels pull `call` (Request::call, 0: none) at `servers` when
+  // dropped unfinished.
+  Handle handle(std::shared_ptr<Completion> done, std::uint64_t call = 0,
+                std::vector<std::uint32_t> servers = {}) const {
     const auto timeout = core_->config.peer_timeout;
     const std::weak_ptr<const bool> alive = core_->alive;
     Handle::Waiter waiter;
@@ -467,12 +484,30 @@ class Worker {
       waiter = [core = core_, alive, index = waits_as_](Completion& c) {
         if (!alive.expired()) core->await(index, c);
       };
-    if (timeout.count() <= 0 || waits_as_ != index_) return Handle(std::move(done), std::move(waiter));
-    return Handle(std::move(done), std::move(waiter),
-                  [core = core_, alive, index = index_] {
-                    if (!alive.expired()) detail::announce(*core, index, Op::heartbeat);
-                  },
-                  std::max<std::chrono::milliseconds>(timeout / 4, std::chrono::milliseconds(1)));
+    Handle::Heartbeat heartbeat;
+    std::chrono::milliseconds every{0};
+    if (timeout.count() > 0 && waits_as_ == index_) {
+      heartbeat = [core = core_, alive, index = index_] {
+        if (!alive.expired()) detail::announce(*core, index, Op::heartbeat);
+      };
+      every = std::max<std::chrono::milliseconds>(timeout / 4, std::chrono::milliseconds(1));
+    }
+    Handle::Cancel cancel;
+    if (call != 0)
+      cancel = [core = core_, alive, index = index_, call, servers = std::move(servers)] {
+        if (alive.expired()) return;
+        for (const std::uint32_t s : servers) {
+          Request r;
+          r.op = Op::cancel;
+          r.worker = static_cast<std::uint32_t>(index);
+          r.call = call;
+          try {
+            core->send(s, std::move(r));
+          } catch (...) {  // shut down: the shutdown finishes the call
+          }
+        }
+      };
+    return Handle(std::move(done), std::move(waiter), std::move(heartbeat), every, std::move(cancel));
   }
 
   // Like pull_async, but the servers answer at once whatever the sync
@@ -530,6 +565,17 @@ class Worker {
           per_server[k].caller_waits = true;
           break;
         }
+    // A pull the caller may drop unwaited is numbered, so that its handle
+    // can cancel it where a server keeps it (a blocking call always waits).
+    std::uint64_t call = 0;
+    std::vector<std::uint32_t> servers;  // those its parts go to
+    if (!blocking_ && !per_server.empty() && (per_server[0].op == Op::pull || per_server[0].op == Op::pull_rows)) {
+      call = core_->calls.fetch_add(1, std::memory_order_relaxed) + 1;
+      for (std::size_t k = 0; k < per_server.size(); ++k) {
+        per_server[k].call = call;
+        if (!per_server[k].items.empty()) servers.push_back(static_cast<std::uint32_t>(k));
+      }
+    }
     std::size_t s = 0;
     try {
       for (; s < per_server.size(); ++s)
@@ -540,7 +586,7 @@ class Worker {
         if (!per_server[s].items.empty()) done->finish(error);
       core_->wait(index_, *done);
     }
-    return handle(std::move(done));
+    return handle(std::move(done), call, std::move(servers));
   }
 
   std::vector<Request> requests(Op op) const {

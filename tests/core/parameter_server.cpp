@@ -824,6 +824,78 @@ TEST_CASE("a worker that throws under Synchronous fails the others with peer_los
   CHECK(ps.read("x").size() == 4);
 }
 
+// Worker 0 leaves a pull unwaited that waits for worker 1's second step,
+// while worker 1 waits for worker 0 in a barrier; `drop` then throws or
+// lets the handle go. The pull must be cancelled: waiting for it in the
+// handle's destructor waited for ever.
+template <class Cluster>
+void drop_a_kept_pull(Cluster& ps, const std::function<void(psx::Handle&)>& drop) {
+  ps.declare(psx::dense("x", {4}));
+  ps.run([&](psx::Worker& w) {
+    std::vector<float> x(4), later(4), g(4, 1.0f);
+    w.pull("x", x);
+    w.push("x", g);
+    w.step();
+    if (w.index() == 0) {
+      w.push("x", g);
+      w.step();
+      psx::Handle h = w.pull_async("x", later);  // waits for worker 1's step 2
+      CHECK_FALSE(h.ready());
+      drop(h);
+      w.barrier();
+    } else {
+      w.barrier();
+      w.push("x", g);
+      w.step();
+    }
+  });
+}
+
+TEST_CASE("a pull left unwaited that waits on a worker waiting for this one is cancelled, not waited for") {
+  Watchdog dog("unwaited pull");
+  SUBCASE("the worker throws: run() rethrows, the others are told") {
+    psx::ParameterServer<> ps({2, 2}, {}, {}, {0.1f});
+    CHECK_THROWS_WITH_AS(drop_a_kept_pull(ps, [](psx::Handle&) { throw std::runtime_error("boom"); }), "boom",
+                         std::runtime_error);
+  }
+  SUBCASE("the handle is assigned over: the worker goes on, its pull answers nothing") {
+    psx::ParameterServer<> ps({2, 2}, {}, {}, {0.1f});
+    drop_a_kept_pull(ps, [](psx::Handle& h) { h = psx::Handle(); });
+    CHECK(ps.read("x") == std::vector<float>(4, -0.2f));  // both steps: 0.1 x the mean gradient, 1, twice
+    for (std::size_t s = 0; s < 2; ++s) {
+      CHECK(ps.server_stats(s).errors == 0);  // a cancelled pull is not a failed request
+      CHECK(ps.server_stats(s).waiting == 0);
+    }
+  }
+  SUBCASE("the same with the waiting callers serving the inboxes") {
+    psx::ParameterServer<> ps({2, 2}, {}, {}, {0.1f}, psx::transport::InProcess{.waiters_serve = true});
+    drop_a_kept_pull(ps, [](psx::Handle& h) { h = psx::Handle(); });
+    CHECK(ps.read("x") == std::vector<float>(4, -0.2f));
+  }
+  SUBCASE("the same in a simulated cluster, where the cancel travels as a message too") {
+    // (Without the cancel the simulation finds every worker waiting and
+    // fails the run with sync_error.)
+    psx::ParameterServer<psx::partition::RowRange, psx::sync::Synchronous, psx::optim::SGD, psx::transport::Simulated>
+        ps({2, 2}, {}, {}, {0.1f});
+    drop_a_kept_pull(ps, [](psx::Handle& h) { h = psx::Handle(); });
+    CHECK(ps.read("x") == std::vector<float>(4, -0.2f));
+  }
+}
+
+TEST_CASE("a pull dropped unwaited that no server keeps is answered as before") {
+  Watchdog dog("cancel");
+  psx::ParameterServer<psx::partition::HashByName, psx::sync::Asynchronous> ps({1, 1});
+  ps.declare(psx::dense("x", {4}, psx::Initializer::constant(3.0f)));
+  auto w = ps.worker(0);
+  std::vector<float> x(4);
+  for (int k = 0; k < 100; ++k) {
+    psx::Handle dropped = w.pull_async("x", x);  // never kept (Asynchronous): a cancel finds it answered
+  }
+  CHECK(x == std::vector<float>(4, 3.0f));
+  CHECK(ps.server_stats(0).errors == 0);
+  CHECK(ps.server_stats(0).pulls == 100);
+  w.leave();
+}
 TEST_CASE("shutdown releases a worker blocked in a pull") {
   Watchdog dog("shutdown while blocked");
   psx::ParameterServer<> ps({1, 2});
@@ -1094,6 +1166,44 @@ TEST_CASE("a server refuses requests it cannot trust, and keeps serving") {
   CHECK(h.send(std::move(ghost)).find("which this server does not hold") != std::string::npos);
   CHECK(h.server->stats().errors == 5);
   CHECK(h.snapshot().size() == 14);
+}
+
+TEST_CASE("a cancel finishes the kept pull it names (that worker's, that call) with an error; nothing else") {
+  HandServer<> h;  // Synchronous, 2 workers
+  CHECK(h.send(op(psx::Op::clock, 0, 1)).empty());
+  std::vector<float> out(4, 9.0f);
+  psx::Request pull = op(psx::Op::pull, 0, 1);  // waits for worker 1's step
+  pull.call = 7;
+  pull.items.push_back({0, 0, {}, {}, {}, out, {}});
+  auto done = std::make_shared<psx::Completion>(1);
+  pull.done = done;
+  h.server->handle(std::move(pull));
+  REQUIRE_FALSE(done->ready());
+  CHECK(h.server->stats().waiting == 1);
+  auto cancel = [&](std::uint32_t worker, std::uint64_t call) {
+    psx::Request c = op(psx::Op::cancel, worker);
+    c.call = call;
+    return h.send(std::move(c));
+  };
+  CHECK(cancel(1, 7).empty());  // worker 1's call 7
+  CHECK(cancel(0, 8).empty());  // worker 0's call 8
+  CHECK(cancel(0, 0).empty());  // no call
+  CHECK_FALSE(done->ready());
+  psx::Request with_item = op(psx::Op::cancel, 0);
+  with_item.call = 7;
+  with_item.items.push_back({0, 0, {}, {}, {}, out, {}});
+  CHECK(h.send(std::move(with_item)) == "psx: server 0, request from worker 0: a cancel carries no item");
+  CHECK_FALSE(done->ready());
+  CHECK(cancel(0, 7).empty());
+  REQUIRE(done->ready());
+  CHECK(message_of<psx::error>([&] { done->wait(); }) ==
+        "psx: server 0: worker 0's pull cancelled: its handle was let go before the answer");
+  CHECK(out == std::vector<float>(4, 9.0f));  // nothing written
+  CHECK(h.server->stats().waiting == 0);
+  CHECK(cancel(0, 7).empty());  // again: nothing kept
+  CHECK(h.send(op(psx::Op::clock, 1, 1)).empty());  // the step completes with nothing to answer
+  CHECK(h.server->stats().pulls == 0);              // the cancelled pull was not answered
+  CHECK(h.snapshot()[0] == 0.0f);
 }
 
 TEST_CASE("random and malformed requests never crash a server, and a refused one changes nothing") {

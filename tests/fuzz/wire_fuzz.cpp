@@ -120,19 +120,21 @@ std::vector<std::vector<std::byte>> seeds() {
   static std::vector<float> out(40);
   static const std::vector<std::uint64_t> ids = {1, 5, 9};
   std::vector<std::vector<std::byte>> all;
-  for (psx::Op op : {psx::Op::push, psx::Op::pull, psx::Op::push_rows, psx::Op::pull_rows, psx::Op::clock}) {
+  for (psx::Op op :
+       {psx::Op::push, psx::Op::pull, psx::Op::push_rows, psx::Op::pull_rows, psx::Op::clock, psx::Op::cancel}) {
+    const bool no_item = op == psx::Op::clock || op == psx::Op::cancel;
     psx::Request r;
     r.op = op;
     r.worker = 1;
     r.clock = 3;
-    r.reason = op == psx::Op::clock ? "" : "x";
+    r.reason = no_item ? "" : "x";
     psx::Item item;
     if (op == psx::Op::push) item.in = grad;
     if (op == psx::Op::pull) item.out = out;
     if (op == psx::Op::push_rows || op == psx::Op::pull_rows) item.ids = ids;
     if (op == psx::Op::push_rows) item.in = std::span<const float>(grad).first(12);
     if (op == psx::Op::pull_rows) item.out = std::span<float>(out).first(12);
-    if (op != psx::Op::clock) r.items.push_back(item);
+    if (!no_item) r.items.push_back(item);
     for (std::uint32_t chunk : {64u, 4096u}) {
       std::vector<wire::Segment> segs;
       const auto h = wire::encode_request(r, {7, 99, chunk}, segs);

@@ -475,15 +475,17 @@ TEST_CASE("zmq: a peer of another wire version is refused at the handshake, nami
     raw.set(zmq::sockopt::linger, 0);
     raw.connect(published_endpoint(dir.path));
     auto hello = wire::encode_hello({1, 0, 1, 1});
-    hello[4] = std::byte{2};  // version 2
+    const auto future = static_cast<std::uint16_t>(wire::version + 1);
+    std::memcpy(hello.data() + 4, &future, sizeof future);  // the next version
     raw.send(zmq::buffer(hello));
     std::vector<zmq::message_t> reply;
     (void)zmq::recv_multipart(raw, std::back_inserter(reply));
     const auto head = psx::transport::detail_zmq::bytes_of(reply[0]);
     const auto p = wire::read_prefix(head, "test");
     CHECK(p.kind == wire::Kind::refuse);
-    CHECK(wire::decode_refuse(head, "test") ==
-          "psx: ps task 0 speaks psx wire version 1, the peer psx wire version 2: build every process with the same psx");
+    CHECK(wire::decode_refuse(head, "test") == "psx: ps task 0 speaks " + wire::version_text(wire::version) +
+                                                   ", the peer " + wire::version_text(future) +
+                                                   ": build every process with the same psx");
     // Let the server go: a chief that joins, leaves and stops it.
     ZmqCluster<psx::partition::HashByName, psx::sync::Synchronous, psx::optim::SGD> chief(
         {1, 1, std::chrono::milliseconds(1000)}, {}, {}, {}, settings(c, "chief", 0, dir.path));
@@ -495,11 +497,12 @@ TEST_CASE("zmq: a peer of another wire version is refused at the handshake, nami
     zmq::socket_t fake(ctx, zmq::socket_type::router);
     fake.bind("tcp://127.0.0.1:0");
     const std::string endpoint = fake.get(zmq::sockopt::last_endpoint);
+    const auto future = static_cast<std::uint16_t>(wire::version + 1);
     std::thread answer([&] {
       std::vector<zmq::message_t> hello;
       (void)zmq::recv_multipart(fake, std::back_inserter(hello));
       auto welcome = wire::encode_signal(wire::Kind::welcome, 0);
-      welcome[4] = std::byte{2};
+      std::memcpy(welcome.data() + 4, &future, sizeof future);
       std::vector<zmq::message_t> reply;
       reply.push_back(std::move(hello[0]));
       reply.emplace_back(welcome.data(), welcome.size());
@@ -512,7 +515,8 @@ TEST_CASE("zmq: a peer of another wire version is refused at the handshake, nami
         {1, 1}, {}, {}, {}, settings(one, "chief", 0, dir.path));
     declare_fuzz(chief);
     CHECK(psx_test::message_of<psx::wire_error>([&] { chief.start(); }) ==
-          "psx: worker 0: ps task 0 (" + endpoint + ") speaks psx wire version 2, this worker psx wire version 1");
+          "psx: worker 0: ps task 0 (" + endpoint + ") speaks " + wire::version_text(future) + ", this worker " +
+              wire::version_text(wire::version));
     answer.join();
   }
 }
@@ -847,6 +851,66 @@ TEST_CASE("zmq: many requests in flight from one worker, answered into the right
         for (std::size_t d = 0; d < 8; ++d) CHECK(rows[k][j * 8 + d] == e0[ids[k][j] * 8 + d]);
     }
   });
+}
+
+TEST_CASE("zmq: a pull left unwaited that waits on a worker waiting for this one is cancelled at its server") {
+  // As in process (tests/core/parameter_server.cpp): the chief leaves a pull
+  // unwaited that waits for worker 1's second step while worker 1 waits for
+  // the chief in a barrier, then throws or lets the handle go. Its
+  // destructor waited for ever before the server learnt to cancel.
+  psx_test::Watchdog dog("zmq unwaited pull", std::chrono::seconds(120));
+  for (const bool throws : {true, false}) {
+    CAPTURE(throws);
+    std::mutex mu;
+    std::vector<std::string> outcomes;
+    std::vector<float> end;
+    for_each_task(1, 2, false, [&](const std::string& type, std::size_t, Zmq z) {
+      std::string outcome = "returned";
+      try {
+        ZmqCluster<psx::partition::RowRange, psx::sync::Synchronous, psx::optim::SGD> cluster(
+            {1, 2, std::chrono::milliseconds(20000)}, {}, {}, psx::optim::SGD{0.1f}, z);
+        cluster.declare(psx::dense("x", {4}));
+        cluster.run([&](psx::Worker& w) {
+          std::vector<float> x(4), later(4), g(4, 1.0f);
+          w.pull("x", x);
+          w.push("x", g);
+          w.step();
+          if (w.index() == 0) {
+            w.push("x", g);
+            w.step();
+            psx::Handle h = w.pull_async("x", later);  // waits for worker 1's step 2
+            CHECK_FALSE(h.ready());
+            if (throws) throw std::runtime_error("boom");
+            h = psx::Handle();
+            w.barrier();
+          } else {
+            w.barrier();
+            w.push("x", g);
+            w.step();
+          }
+          w.barrier();  // worker 1's step is in before the chief reads
+        });
+        if (type == "chief") {
+          std::lock_guard lock(mu);
+          end = cluster.read("x");
+        }
+      } catch (const std::exception& e) {
+        outcome = e.what();
+      }
+      std::lock_guard lock(mu);
+      outcomes.push_back(type + ": " + outcome);
+    });
+    std::sort(outcomes.begin(), outcomes.end());
+    REQUIRE(outcomes.size() == 3);
+    if (throws) {
+      CHECK(outcomes[0] == "chief: boom");
+      CHECK(outcomes[2].find("worker: ") == 0);
+      CHECK(outcomes[2].find("worker 0 was lost (its function threw: boom)") != std::string::npos);
+    } else {
+      CHECK(outcomes == std::vector<std::string>{"chief: returned", "ps: returned", "worker: returned"});
+      CHECK(end == std::vector<float>(4, -0.2f));
+    }
+  }
 }
 
 TEST_CASE("zmq: callers on several threads send on the worker's sockets at once, each answer lands in its buffer") {

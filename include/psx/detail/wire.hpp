@@ -38,7 +38,7 @@ static_assert(std::endian::native == std::endian::little,
 inline constexpr std::uint32_t magic = 0x57585350u;
 //! Bumped whenever a layout below changes; peers of another version are
 //! refused at the handshake.
-inline constexpr std::uint16_t version = 1;
+inline constexpr std::uint16_t version = 2;
 //! Largest frame a sender makes: tensors above it are split into chunks.
 inline constexpr std::uint32_t max_chunk_bytes = 0x7fffffffu;  // 2 GiB - 1
 
@@ -374,7 +374,7 @@ inline Incoming decode_request(std::span<const std::span<const std::byte>> frame
                      "-byte message is over the limit of " + std::to_string(limits.max_message_bytes) + " bytes");
   Incoming in;
   Request& r = in.request;
-  if (p.byte7 > static_cast<std::uint8_t>(Op::stats))
+  if (p.byte7 > static_cast<std::uint8_t>(Op::cancel))
     throw wire_error("psx: " + std::string(where) + ": unknown operation " + std::to_string(p.byte7));
   r.op = static_cast<Op>(p.byte7);
   in.head.call = get<std::uint64_t>(h, 8);

@@ -329,9 +329,20 @@ class Zmq::link_type {
     if (server >= ctx_.num_servers)
       throw config_error("psx: request for server " + std::to_string(server) + " of " +
                          std::to_string(ctx_.num_servers));
+    if (r.op == Op::cancel) {
+      // The server knows the call by this link's id for it, which goes in
+      // the clock; one no longer waiting here was answered: nothing to send.
+      Lane& lane = lanes_[server];
+      std::lock_guard lane_lock(lane.mu);
+      const auto it = std::find_if(lane.pending.begin(), lane.pending.end(),
+                                   [&](const auto& p) { return r.call != 0 && p.second->tag == r.call; });
+      if (it == lane.pending.end()) return;
+      r.clock = it->first;
+    }
     auto call = std::make_shared<WorkerCall>();
     call->waiters = &waiters_;
     call->finished = &finished_;
+    call->tag = r.call;
     // The call owns the completion only once it is sent or queued: if send
     // throws, the caller finishes this part (Worker::dispatch), and it must
     // not be finished twice.
@@ -528,6 +539,7 @@ class Zmq::link_type {
     std::vector<Out> outs;
     std::vector<std::vector<float>> gathered;
     std::uint64_t id = 0;
+    std::uint64_t tag = 0;  // the worker's number for it (Request::call)
     std::size_t bytes = 0;  // payload both ways
     // When the call fails unless answered (its server restarted), and why.
     clock::time_point deadline = clock::time_point::max();
@@ -987,6 +999,8 @@ class Zmq::link_type {
         return;
       }
       Request& r = call->in.request;
+      // A cancel names the call by this worker's id for it (in the clock).
+      r.call = r.op == Op::cancel ? r.clock : call_id;
       heard_from(r.worker);
       if (r.op == Op::heartbeat)
         answer(call->routing, ::psx::detail::wire::encode_signal(::psx::detail::wire::Kind::pong, l_.incarnation_));
