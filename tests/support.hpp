@@ -31,6 +31,33 @@ inline float toy_grad(float value, std::size_t worker, std::size_t step, std::si
                   static_cast<float>(i) * 0.11f);
 }
 
+// Worker 0 leaves a pull of dense "x" (4 floats) unwaited that waits for
+// worker 1's second step while worker 1 waits for worker 0 in a barrier;
+// `drop(handle)` then throws or lets the handle go. A cancel must end the
+// pull: the handle's destructor waited for it for ever. Two steps of
+// gradient 1 from each worker when nothing throws; worker 1's last step is
+// in before either returns.
+template <class Worker, class Drop>
+void drop_a_kept_pull(Worker& w, Drop&& drop) {
+  std::vector<float> x(4), later(4), g(4, 1.0f);
+  w.pull("x", x);
+  w.push("x", g);
+  w.step();
+  if (w.index() == 0) {
+    w.push("x", g);
+    w.step();
+    auto h = w.pull_async("x", later);  // waits for worker 1's step 2
+    CHECK_FALSE(h.ready());
+    drop(h);
+    w.barrier();
+  } else {
+    w.barrier();
+    w.push("x", g);
+    w.step();
+  }
+  w.barrier();
+}
+
 // One step of the tests' toy model: pulls dense "w" (`w_size` floats) and
 // the rows `ids` of sparse "emb" (`dim` wide), pushes for each value read
 // `grad(value, worker, step, index)`, then steps. A gradient that depends

@@ -824,31 +824,11 @@ TEST_CASE("a worker that throws under Synchronous fails the others with peer_los
   CHECK(ps.read("x").size() == 4);
 }
 
-// Worker 0 leaves a pull unwaited that waits for worker 1's second step,
-// while worker 1 waits for worker 0 in a barrier; `drop` then throws or
-// lets the handle go. The pull must be cancelled: waiting for it in the
-// handle's destructor waited for ever.
+// psx_test::drop_a_kept_pull on a cluster of 2 workers.
 template <class Cluster>
 void drop_a_kept_pull(Cluster& ps, const std::function<void(psx::Handle&)>& drop) {
   ps.declare(psx::dense("x", {4}));
-  ps.run([&](psx::Worker& w) {
-    std::vector<float> x(4), later(4), g(4, 1.0f);
-    w.pull("x", x);
-    w.push("x", g);
-    w.step();
-    if (w.index() == 0) {
-      w.push("x", g);
-      w.step();
-      psx::Handle h = w.pull_async("x", later);  // waits for worker 1's step 2
-      CHECK_FALSE(h.ready());
-      drop(h);
-      w.barrier();
-    } else {
-      w.barrier();
-      w.push("x", g);
-      w.step();
-    }
-  });
+  ps.run([&](psx::Worker& w) { psx_test::drop_a_kept_pull(w, drop); });
 }
 
 TEST_CASE("a pull left unwaited that waits on a worker waiting for this one is cancelled, not waited for") {
