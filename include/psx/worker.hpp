@@ -576,6 +576,9 @@ class Worker {
         if (!per_server[k].items.empty()) servers.push_back(static_cast<std::uint32_t>(k));
       }
     }
+    // Made before anything is sent: an allocation that fails here leaves no
+    // request in flight with the caller's buffers and no handle to wait.
+    Handle h = handle(done, call, std::move(servers));
     std::size_t s = 0;
     try {
       for (; s < per_server.size(); ++s)
@@ -586,7 +589,7 @@ class Worker {
         if (!per_server[s].items.empty()) done->finish(error);
       core_->wait(index_, *done);
     }
-    return handle(std::move(done), call, std::move(servers));
+    return h;
   }
 
   std::vector<Request> requests(Op op) const {
