@@ -876,6 +876,7 @@ TEST_CASE("a pull dropped unwaited that no server keeps is answered as before") 
   CHECK(ps.server_stats(0).pulls == 100);
   w.leave();
 }
+
 TEST_CASE("shutdown releases a worker blocked in a pull") {
   Watchdog dog("shutdown while blocked");
   psx::ParameterServer<> ps({1, 2});

@@ -332,10 +332,11 @@ class Zmq::link_type {
     if (r.op == Op::cancel) {
       // The server knows the call by this link's id for it, which goes in
       // the clock; one no longer waiting here was answered: nothing to send.
+      if (r.call == 0) return;  // names no call (untagged calls have tag 0)
       Lane& lane = lanes_[server];
       std::lock_guard lane_lock(lane.mu);
       const auto it = std::find_if(lane.pending.begin(), lane.pending.end(),
-                                   [&](const auto& p) { return r.call != 0 && p.second->tag == r.call; });
+                                   [&](const auto& p) { return p.second->tag == r.call; });
       if (it == lane.pending.end()) return;
       r.clock = it->first;
     }
