@@ -283,4 +283,9 @@ int main(int argc, char** argv) {
               static_cast<unsigned long long>(total.evicted_ttl + total.evicted_memory),
               static_cast<unsigned long long>(total.evicted_ttl), static_cast<unsigned long long>(total.evicted_memory),
               first_loss, last_loss, last_loss < first_loss ? "down" : "not down");
+  if (peak_bytes > kCapBytes) {
+    std::fprintf(stderr, "recsys: a server held %llu bytes, over its cap of %llu\n",
+                 static_cast<unsigned long long>(peak_bytes), static_cast<unsigned long long>(kCapBytes));
+    return 1;
+  }
 }

@@ -34,7 +34,8 @@
 // runs after another finds the heap grown and pays fewer page faults (the
 // floor runs after them, its arrays allocated and touched before its clock
 // starts). Memory: the table's own accounting (TableStats::bytes) and, for the map, what glibc's
-// allocator handed out while it was built (mallinfo2), both per row next to
+// allocator handed out while it was built (mallinfo2: heap chunks and mapped
+// blocks), both per row next to
 // the ideal (the row and its slot, dim * 4 * 2 bytes).
 //
 //   bench_tables [ids_per_thread] [rounds]     (default 4M, 3)
@@ -181,15 +182,22 @@ class MapTable {
   psx::detail::RowAccumulator sum_;  // under the lock too when shared
 };
 
+// What glibc's allocator has handed out: chunks from its heaps, and blocks it
+// mapped on their own (large ones, such as the map's bucket array).
+std::size_t heap_bytes() {
+  const struct mallinfo2 m = mallinfo2();
+  return m.uordblks + m.hblkhd;
+}
+
 Rates run_map(const std::vector<std::vector<std::uint64_t>>& ids, std::size_t dim) {
   const std::size_t threads = ids.size();
-  const std::size_t heap_before = mallinfo2().uordblks;
+  const std::size_t heap_before = heap_bytes();
   auto table = std::make_unique<MapTable>(dim, threads > 1);
   Rates r = rates(on_threads(threads, [&](std::size_t t) {
     return drive(ids[t], dim, [&](auto batch, auto out, std::uint64_t) { table->pull(batch, out); },
                  [&](auto batch, auto g, std::uint64_t step) { table->push(batch, g, step); });
   }));
-  const std::size_t heap = mallinfo2().uordblks - heap_before;
+  const std::size_t heap = heap_bytes() - heap_before;
   r.bytes_per_row = static_cast<double>(heap) / static_cast<double>(table->size());
   return r;
 }

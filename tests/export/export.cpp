@@ -293,6 +293,52 @@ TEST_CASE("export: what the formats cannot hold is refused, names as readers tak
                        psx::checkpoint_error);
 }
 
+TEST_CASE("export: a dynamic table is left out, refused when named; checkpoints refuse it by name") {
+  TempDir base("tables");
+  psx::checkpoint::Info plain;
+  {  // a checkpoint of "w" alone, for the restore below
+    SGDCluster ps({1, 1}, {}, {}, {1.0});
+    ps.declare(psx::dense("w", {4}));
+    ps.run([&](psx::Worker& w) {
+      set_values(ps, w, {{"w", ramp(4, 1.0f, 1.0f)}});
+      plain = psx::checkpoint::save(ps, w, base.path / "plain");
+    });
+  }
+  SGDCluster ps({1, 1}, {}, {}, {1.0});
+  ps.declare(psx::dense("w", {4}));
+  ps.declare(psx::embedding("emb", 4));
+  ps.run([&](psx::Worker& w) {
+    const std::uint64_t id = 42;
+    const std::vector<float> g(4, 1.0f);
+    w.push_rows("emb", std::span<const std::uint64_t>(&id, 1), g);
+    set_values(ps, w, {{"w", ramp(4, 1.0f, 1.0f)}});
+    psx::ExportOptions o;
+    o.base = base.path / "exports";
+    const psx::Export e = psx::load_export(psx::export_model(ps, w, o));
+    REQUIRE(e.tensors.size() == 1);
+    CHECK(e.tensors[0].name == "w");
+    CHECK(e["w"].to_float() == ramp(4, 1.0f, 1.0f));
+    o.variables = {"emb"};  // named outright: refused, nothing written
+    o.version = 7;
+    CHECK_THROWS_WITH_AS(psx::export_model(ps, w, o), doctest::Contains("export of 'emb', a dynamic table"),
+                         psx::config_error);
+    CHECK(!fs::exists(o.base / "7"));
+    o.variables = {"*"};  // by a pattern: left out
+    CHECK(psx::load_export(psx::export_model(ps, w, o)).tensors.size() == 1);
+    CHECK_THROWS_WITH_AS(psx::checkpoint::save(ps, w, base.path / "ckpt"),
+                         doctest::Contains("cannot save a checkpoint of 'emb', a dynamic table"), psx::checkpoint_error);
+    CHECK_THROWS_WITH_AS(psx::checkpoint::restore(ps, w, plain.path),
+                         doctest::Contains("'emb'"), psx::checkpoint_error);
+    // The refusals changed nothing.
+    std::vector<float> row(4);
+    w.pull_rows("emb", std::span<const std::uint64_t>(&id, 1), row);
+    CHECK(row != std::vector<float>(4, 0.0f));
+    std::vector<float> values(4);
+    w.pull("w", values);
+    CHECK(values == ramp(4, 1.0f, 1.0f));
+  });
+}
+
 TEST_CASE("export: from a checkpoint, without a cluster") {
   TempDir root("from-ckpt"), base("from-ckpt-export");
   SGDCluster ps({2, 1}, {}, {}, {1.0});
