@@ -495,8 +495,11 @@ concept has_connect = requires(const T& t, const TransportContext& ctx) {
 //!
 //! Optional, for links between processes: `bool local_server(std::size_t)
 //! const` and `bool local_worker(std::size_t) const` (which servers and
-//! workers this process runs; without them, all) and `std::string
-//! wait_stopped()` (a process without workers serves until it returns).
+//! workers this process runs; without them, all), `std::string
+//! wait_stopped()` (a process without workers serves until it returns) and
+//! `std::chrono::milliseconds start_grace() const noexcept` (how long a
+//! server waits for a worker's first message before a peer timeout can
+//! declare it lost; without it, the peer timeout alone).
 //!
 //! Optional, for links that take part while a caller waits (a simulated
 //! cluster runs its events on the waiting threads, an in-process one lets

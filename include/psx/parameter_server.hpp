@@ -196,7 +196,7 @@ class ParameterServer {
     for (std::size_t s = 0; s < config().num_servers; ++s)
       if (local_server(*link, s))
         servers[s] = std::make_unique<server_type>(s, config().num_workers, core_->variables, sync_, optimizer_,
-                                                   config().peer_timeout);
+                                                   config().peer_timeout, start_grace(*link));
     std::vector<std::thread> threads;
     try {
       for (std::size_t s = 0; s < config().num_servers; ++s)
@@ -436,6 +436,15 @@ class ParameterServer {
       return link.local_server(s);
     else
       return true;
+  }
+  // How long a worker not yet heard from may stay silent (processes that
+  // start in any order); links within one process start every worker at once.
+  template <class L>
+  static std::chrono::milliseconds start_grace(const L& link) noexcept {
+    if constexpr (requires { { link.start_grace() } -> std::same_as<std::chrono::milliseconds>; })
+      return link.start_grace();
+    else
+      return {};
   }
   template <class L>
   static bool local_worker(const L& link, std::size_t w) noexcept {

@@ -57,14 +57,19 @@ class Server final : public RequestHandler {
 
  public:
   //! `variables` must outlive the server (shards point at their entries).
+  //! A worker silent for `peer_timeout` while others wait is lost (0: never);
+  //! one not yet heard from at all has `start_grace` from the server's start
+  //! instead, where that is longer (processes that start in any order).
   Server(std::size_t index, std::size_t num_workers, const std::vector<VariableInfo>& variables, const S& sync,
-         const O& optimizer, std::chrono::milliseconds peer_timeout = {})
+         const O& optimizer, std::chrono::milliseconds peer_timeout = {}, std::chrono::milliseconds start_grace = {})
       : index_(index),
         sync_(sync.make_state(num_workers)),
         optimizer_(optimizer),
         peer_timeout_(peer_timeout),
+        start_grace_(start_grace),
         clocks_(num_workers, 0),
         gone_(num_workers, Gone::no),
+        heard_(num_workers, false),
         last_seen_(num_workers, clock_type::now()),
         lost_reason_(num_workers) {
     shards_.resize(variables.size());
@@ -132,11 +137,15 @@ class Server final : public RequestHandler {
     for (const Request& r : barrier_) waiting[r.worker] = true;
     for (std::size_t w = 0; w < clocks_.size(); ++w) {
       const auto silence = now - deaf_ - last_seen_[w];
-      if (gone_[w] != Gone::no || waiting[w] || silence <= peer_timeout_) continue;
+      const bool unstarted = !heard_[w] && start_grace_ > peer_timeout_;
+      if (gone_[w] != Gone::no || waiting[w] || silence <= (unstarted ? start_grace_ : peer_timeout_)) continue;
       const auto silent = std::chrono::duration_cast<std::chrono::milliseconds>(silence);
       try {
-        lose(w, "sent nothing for " + std::to_string(silent.count()) + " ms (peer timeout " +
-                    std::to_string(peer_timeout_.count()) + " ms)");
+        lose(w, unstarted ? "never appeared: nothing from it in the " + std::to_string(silent.count()) +
+                                " ms since the server started (start timeout " +
+                                std::to_string(start_grace_.count()) + " ms)"
+                          : "sent nothing for " + std::to_string(silent.count()) + " ms (peer timeout " +
+                                std::to_string(peer_timeout_.count()) + " ms)");
       } catch (...) {  // a failing policy or allocation: keep serving
       }
     }
@@ -334,7 +343,10 @@ class Server final : public RequestHandler {
     if (!inspection && r.op != Op::join && gone_[r.worker] == Gone::lost)
       throw peer_lost("psx: server " + std::to_string(index_) + ": worker " + std::to_string(r.worker) +
                       " was declared lost earlier (" + lost_reason_[r.worker] + ") and is no longer served");
-    if (!inspection) last_seen_[r.worker] = clock_type::now() - deaf_;
+    if (!inspection) {
+      last_seen_[r.worker] = clock_type::now() - deaf_;
+      heard_[r.worker] = true;
+    }
     switch (r.op) {
       case Op::pull:
       case Op::pull_rows:
@@ -1040,11 +1052,13 @@ class Server final : public RequestHandler {
   std::uint64_t parameter_bytes_ = 0;  // set in the constructor, read-only after
   std::uint64_t slot_bytes_ = 0;
   std::chrono::milliseconds peer_timeout_;
+  std::chrono::milliseconds start_grace_;
   std::vector<std::vector<std::unique_ptr<ShardState>>> shards_;  // [variable][shard]; null where not ours
   std::vector<const DynamicTable<O>*> tables_;  // the dynamic tables among them
   std::vector<std::uint64_t> clocks_;
   std::unique_ptr<StagedRestore> staged_;  // a restore read but not yet applied
   std::vector<Gone> gone_;
+  std::vector<bool> heard_;  // whether each worker has sent anything yet
   // When each worker was last heard from, on a clock that stops while the
   // server handles a long request (deaf_: the time spent so): what a worker
   // sent meanwhile waits unread, so a long update makes nobody silent.

@@ -12,6 +12,10 @@
 #include <zmq.hpp>
 #include <zmq_addon.hpp>
 
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
@@ -187,6 +191,48 @@ TEST_CASE("zmq: a peer that never appears is named in the timeout error") {
         "psx: worker 0: no answer within 300 ms (start_timeout) from ps task 0 (" + endpoint + ")");
 }
 
+TEST_CASE("zmq: a worker that starts late is waited for up to start_timeout; one that never starts is named") {
+  psx_test::Watchdog dog("zmq late worker", std::chrono::seconds(120));
+  using Sync = ZmqCluster<psx::partition::RowRange, psx::sync::Synchronous, psx::optim::SGD>;
+  // A peer timeout shorter than the late worker's delay: without the start
+  // grace, the server declared it lost while the chief waited on it.
+  const psx::ClusterConfig config{1, 2, std::chrono::milliseconds(400)};
+  SUBCASE("late, within start_timeout: training goes on") {
+    for_each_task(1, 2, false, [&](const std::string& type, std::size_t, Zmq z) {
+      if (type == "worker") std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+      Sync cluster(config, {}, {}, psx::optim::SGD{0.05f}, z);
+      psx_zmq_test::declare(cluster);
+      cluster.run(psx_zmq_test::train);
+    });
+  }
+  SUBCASE("never: the chief's wait ends with its name, after start_timeout") {
+    TempDir dir;
+    const ClusterSpec c = spec(1, 2, false, dir.path);
+    auto with_start = [&](const char* type) {
+      Zmq z = settings(c, type, 0, dir.path);
+      z.start_timeout = std::chrono::milliseconds(1200);
+      return z;
+    };
+    std::thread server([&] {
+      Sync ps(config, {}, {}, psx::optim::SGD{0.05f}, with_start("ps"));
+      psx_zmq_test::declare(ps);
+      try {
+        ps.run([](psx::Worker&) {});
+      } catch (const psx::peer_lost&) {  // its policy failed with the worker lost
+      }
+    });
+    Sync chief(config, {}, {}, psx::optim::SGD{0.05f}, with_start("chief"));
+    psx_zmq_test::declare(chief);
+    const auto t0 = std::chrono::steady_clock::now();
+    const std::string why = psx_test::message_of<psx::peer_lost>([&] { chief.run(psx_zmq_test::train); });
+    CHECK(std::chrono::steady_clock::now() - t0 >= std::chrono::milliseconds(1000));
+    CHECK(why.find("worker 1 was lost (never appeared: nothing from it in the ") != std::string::npos);
+    CHECK(why.find("(start timeout 1200 ms)") != std::string::npos);
+    chief.shutdown();  // its stop lets the server go
+    server.join();
+  }
+}
+
 TEST_CASE("zmq: an address in use is named") {
   zmq::context_t ctx;
   zmq::socket_t taken(ctx, zmq::socket_type::router);
@@ -201,6 +247,37 @@ TEST_CASE("zmq: an address in use is named") {
   psx_zmq_test::declare(cluster);
   CHECK(psx_test::message_of<psx::config_error>([&] { cluster.start(); }) ==
         "psx: ps task 0 cannot bind " + endpoint + ": Address already in use");
+  // ipc: libzmq removes the socket file before it binds, so a second server
+  // would take a live one's path over in silence; it is refused instead.
+  const std::string path = (dir.path / "ps").string();
+  zmq::socket_t live(ctx, zmq::socket_type::router);
+  live.bind("ipc://" + path);
+  c.ps = {"ipc://" + path};
+  ZmqCluster<psx::partition::HashByName, psx::sync::Synchronous, psx::optim::SGD> second(
+      {1, 1}, {}, {}, {}, settings(c, "ps", 0, dir.path));
+  psx_zmq_test::declare(second);
+  CHECK(psx_test::message_of<psx::config_error>([&] { second.start(); }) ==
+        "psx: ps task 0 cannot bind ipc://" + path + ": Address already in use (a process accepts connections on it)");
+  CHECK(fs::exists(path));
+  // A file left by a process that died (bound, never listened on or
+  // removed) is taken over, as libzmq does.
+  const std::string stale = (dir.path / "stale").string();
+  {
+    const int fd = ::socket(AF_UNIX, SOCK_STREAM, 0);
+    REQUIRE(fd >= 0);
+    ::sockaddr_un addr{};
+    addr.sun_family = AF_UNIX;
+    std::memcpy(addr.sun_path, stale.data(), stale.size());
+    REQUIRE(::bind(fd, reinterpret_cast<const ::sockaddr*>(&addr), sizeof addr) == 0);
+    ::close(fd);
+  }
+  REQUIRE(fs::exists(stale));
+  c.ps = {"ipc://" + stale};
+  ZmqCluster<psx::partition::HashByName, psx::sync::Synchronous, psx::optim::SGD> restarted(
+      {1, 1}, {}, {}, {}, settings(c, "ps", 0, dir.path));
+  psx_zmq_test::declare(restarted);
+  CHECK_NOTHROW(restarted.start());
+  restarted.shutdown();
 }
 
 TEST_CASE("zmq: the cluster spec must match ClusterConfig") {
@@ -294,29 +371,42 @@ TEST_CASE("zmq: thousands of random and mutated messages: the server survives, c
     std::vector<float> out(4000), grad(777, 1.0f);
     std::vector<std::uint64_t> ids = {0, 7, 499};
     std::vector<std::pair<std::vector<std::byte>, std::vector<wire::Segment>>> templates;
-    auto add = [&](psx::Op op, std::vector<psx::Item> items, std::uint64_t call) {
+    auto add = [&](psx::Op op, std::vector<psx::Item> items, std::uint64_t call, std::uint64_t fp) {
       psx::Request r;
       r.op = op;
       r.worker = 0;
       r.items = std::move(items);
       std::vector<wire::Segment> segs;
-      auto h = wire::encode_request(r, {call, fingerprint, 64}, segs);
+      auto h = wire::encode_request(r, {call, fp, 64}, segs);
       templates.emplace_back(std::move(h), std::move(segs));
     };
     psx::Item read_w;
     read_w.variable = 0;
     read_w.out = std::span<float>(out).first(1000);
-    add(psx::Op::read, {read_w}, 1);
+    add(psx::Op::read, {read_w}, 1, fingerprint);
     psx::Item rows;
     rows.variable = 1;
     rows.ids = ids;
     rows.out = std::span<float>(out).first(24);
-    add(psx::Op::pull_rows, {rows}, 2);
+    add(psx::Op::pull_rows, {rows}, 2, fingerprint);
     psx::Item push_frozen;
     push_frozen.variable = 2;
     push_frozen.in = grad;
-    add(psx::Op::push, {push_frozen}, 3);
-    add(psx::Op::heartbeat, {}, 0);
+    add(psx::Op::push, {push_frozen}, 3, fingerprint);
+    add(psx::Op::heartbeat, {}, 0, fingerprint);
+    // Pushes to trainable variables from another program: every byte of
+    // the fingerprint differs, more than a mutation below changes, so each
+    // must be refused by it (a well-formed one would change parameters).
+    psx::Item push_w;
+    push_w.variable = 0;
+    std::vector<float> grad_w(1000, 1.0f), grad_rows(24, 1.0f);
+    push_w.in = grad_w;
+    add(psx::Op::push, {push_w}, 4, ~fingerprint);
+    psx::Item push_rows;
+    push_rows.variable = 1;
+    push_rows.ids = ids;
+    push_rows.in = grad_rows;
+    add(psx::Op::push_rows, {push_rows}, 5, ~fingerprint);
     templates.emplace_back(wire::encode_hello({fingerprint, 0, 1, 1}), std::vector<wire::Segment>{});
 
     zmq::context_t ctx;
@@ -568,6 +658,23 @@ TEST_CASE("zmq: CURVE: an allowed client trains, a client not on the list change
   server.thread.join();
   REQUIRE_FALSE(server.error);
   CHECK(server.stats.rejected >= 1);
+  // Keys or an allow-list without the server's public key are refused at
+  // start, on either side, where they would have run in plain text.
+  for (const char* role : {"ps", "chief"}) {
+    CAPTURE(role);
+    Zmq z = settings(c, role, 0, dir.path);
+    if (std::string(role) == "ps") {
+      z.curve.server_secret_key = server_sec;
+      z.curve.allowed_clients = {good_pub};
+    } else {
+      z.curve.client_public_key = good_pub;
+      z.curve.client_secret_key = good_sec;
+    }
+    ZmqCluster<psx::partition::HashByName, psx::sync::Synchronous, psx::optim::SGD> half({1, 1}, {}, {}, {}, z);
+    declare_fuzz(half);
+    CHECK(psx_test::message_of<psx::config_error>([&] { half.start(); })
+              .find("Curve has keys or an allow-list but no server_public_key") != std::string::npos);
+  }
 }
 
 TEST_CASE("zmq: a server restarted on the same endpoint is reconnected to") {

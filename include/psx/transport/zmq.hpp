@@ -28,6 +28,8 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -72,6 +74,8 @@ struct Curve {
   //! Empty: any client that knows the server's public key.
   std::vector<std::string> allowed_clients;
 
+  //! On when `server_public_key` is set; any other field set without it is
+  //! refused at start (`config_error`), not run in plain text.
   bool enabled() const noexcept { return !server_public_key.empty(); }
 
   //! A new key pair {public, secret}.
@@ -99,11 +103,14 @@ struct Zmq {
   //! (file `ps-<i>`) and where workers look for it. Needed only with port 0.
   std::string rendezvous;
   //! How long a worker waits for every server to answer its hello, and a
-  //! server for the chief's first message.
+  //! server for the chief's first message (with or without a peer timeout)
+  //! and for each worker's before a peer timeout may declare it lost.
   std::chrono::milliseconds start_timeout{30000};
   //! Tensors larger than this travel as several frames.
   std::uint32_t chunk_bytes = ::psx::detail::wire::max_chunk_bytes;
-  //! What a server accepts (sizes are checked before anything is allocated).
+  //! What a server accepts (every size is checked before psx allocates or
+  //! reads anything by it; libzmq has received the frames by then, each at
+  //! most 2^31 - 1 bytes plus CURVE's framing).
   ::psx::detail::wire::Limits limits;
   //! libzmq I/O threads per process.
   int io_threads = 1;
@@ -142,6 +149,26 @@ namespace wire = ::psx::detail::wire;
 // Whether a tcp endpoint names an IPv6 host ("tcp://[::1]:5555"): libzmq
 // binds and connects to one only with ZMQ_IPV6 set on the socket.
 inline bool ipv6(std::string_view endpoint) noexcept { return endpoint.starts_with("tcp://["); }
+
+// Whether a process accepts connections on an ipc endpoint's socket file.
+// libzmq removes the file before it binds one (a file left by a process that
+// died must not block a restart), so a second server would take a live one's
+// path over in silence. An abstract name ("ipc://@...") has no file: the
+// kernel refuses a second bind of it itself.
+inline bool ipc_in_use(std::string_view endpoint) noexcept {
+  constexpr std::string_view scheme = "ipc://";
+  if (!endpoint.starts_with(scheme)) return false;
+  const std::string_view path = endpoint.substr(scheme.size());
+  ::sockaddr_un addr{};
+  if (path.empty() || path[0] == '@' || path.size() >= sizeof addr.sun_path) return false;
+  addr.sun_family = AF_UNIX;
+  std::memcpy(addr.sun_path, path.data(), path.size());
+  const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return false;
+  const bool live = ::connect(fd, reinterpret_cast<const ::sockaddr*>(&addr), sizeof addr) == 0;
+  ::close(fd);
+  return live;
+}
 
 // ThreadSanitizer cannot see libzmq (not built with it) hand a message from
 // one thread to another, so when both ends are threads of one process (the
@@ -280,6 +307,12 @@ class Zmq::link_type {
     if (settings_.curve.enabled()) {
       detail_zmq::check_key(settings_.curve.server_public_key, "server_public_key");
       if (zmq_has("curve") == 0) throw config_error("psx: Curve is set but this libzmq has no CURVE support");
+    } else if (const Curve& c = settings_.curve; !c.server_secret_key.empty() || !c.client_public_key.empty() ||
+                                                 !c.client_secret_key.empty() || !c.allowed_clients.empty()) {
+      // Half a configuration would run in plain text, open to every client.
+      throw config_error("psx: Curve has keys or an allow-list but no server_public_key: without it nothing is "
+                         "encrypted or authenticated; set server_public_key (every process) or clear the Curve "
+                         "settings");
     }
     if (settings_.tf.is_server()) {
       server_index_ = settings_.tf.server_index();
@@ -317,6 +350,9 @@ class Zmq::link_type {
   //! Whether this process runs server `s` / worker `w`.
   bool local_server(std::size_t s) const noexcept { return server_index_ && *server_index_ == s; }
   bool local_worker(std::size_t w) const noexcept { return worker_index_ && *worker_index_ == w; }
+  //! Processes start in any order: a worker not yet heard from has
+  //! `start_timeout` to appear before a peer timeout can declare it lost.
+  std::chrono::milliseconds start_grace() const noexcept { return settings_.start_timeout; }
   //! The endpoint this process's server bound (the real port after port 0).
   const std::string& bound_endpoint() const noexcept { return bound_; }
 
@@ -656,6 +692,9 @@ class Zmq::link_type {
     router_.set(zmq::sockopt::maxmsgsize, static_cast<std::int64_t>(::psx::detail::wire::max_chunk_bytes + 64));
     const std::string endpoint = zmq_endpoint(address);
     if (detail_zmq::ipv6(endpoint)) router_.set(zmq::sockopt::ipv6, 1);
+    if (detail_zmq::ipc_in_use(endpoint))
+      throw config_error("psx: ps task " + std::to_string(s) + " cannot bind " + endpoint +
+                         ": Address already in use (a process accepts connections on it)");
     try {
       router_.bind(endpoint);
     } catch (const zmq::error_t& e) {
@@ -792,13 +831,15 @@ class Zmq::link_type {
       // its stop (a crash in what it did after training), and is lost as
       // one that never left. One the server declared lost (it went silent
       // while others waited) is lost here too, as its silence tells.
+      // A chief that never appears ends the server after start_timeout,
+      // with or without a peer timeout.
       const bool chief_seen = seen_[0];
-      if (timeout.count() <= 0 || stop_) return false;
+      if (stop_) return false;
       std::string why;
       if (!chief_seen && now - started_ > std::max<clock::duration>(l_.settings_.start_timeout, timeout))
         why =
             "the chief (worker 0) never appeared within " + std::to_string(l_.settings_.start_timeout.count()) + " ms";
-      else if (chief_seen && now - last_heard_[0] > timeout)
+      else if (timeout.count() > 0 && chief_seen && now - last_heard_[0] > timeout)
         why = "the chief (worker 0) sent nothing for " +
               std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(now - last_heard_[0]).count()) +
               " ms (peer_timeout " + std::to_string(timeout.count()) + " ms)";
