@@ -199,6 +199,10 @@ concept has_place = requires(const P& p, const VariableMeta& v, std::size_t num_
 //!     The answer must depend only on `meta` and `num_servers`, so every
 //!     process computes the same placement.
 //!
+//! Optional: `place(meta, num_servers, std::span<const std::uint64_t>
+//! server_bytes)`, which the cluster then calls instead, with the bytes each
+//! server holds of the variables declared before (`partition::LeastLoaded`).
+//!
 //! @code
 //! struct AllOnServerZero {
 //!   std::vector<psx::Shard> place(const psx::VariableMeta& v, std::size_t) const {

@@ -107,7 +107,7 @@ class ParameterServer {
     if (info.meta.kind == VariableKind::dynamic) {
       place_table(info, spec.table);
     } else {
-      info.shards = partitioner_.place(info.meta, config().num_servers);
+      info.shards = place(info.meta);
       detail::check_placement(info.meta, info.shards, config().num_servers);
     }
     validate_optimizer(optimizer_, info.meta, info.shards.size());
@@ -436,6 +436,22 @@ class ParameterServer {
       return link.local_server(s);
     else
       return true;
+  }
+  // The partitioner's placement of `meta`; one that balances load (a
+  // `place(meta, num_servers, server_bytes)`) is told what each server
+  // holds of the variables declared before.
+  std::vector<Shard> place(const VariableMeta& meta) const {
+    const std::size_t n = config().num_servers;
+    if constexpr (requires(std::span<const std::uint64_t> b) {
+                    { partitioner_.place(meta, n, b) } -> std::same_as<std::vector<Shard>>;
+                  }) {
+      std::vector<std::uint64_t> bytes(n, 0);
+      for (const VariableInfo& v : core_->variables)
+        for (const Shard& sh : v.shards) bytes[sh.server] += std::uint64_t{sh.rows()} * detail::row_bytes(v.meta);
+      return partitioner_.place(meta, n, bytes);
+    } else {
+      return partitioner_.place(meta, n);
+    }
   }
   // How long a worker not yet heard from may stay silent (processes that
   // start in any order); links within one process start every worker at once.

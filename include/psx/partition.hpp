@@ -148,6 +148,48 @@ struct MaxSize {
 };
 static_assert(Partitioner<MaxSize>);
 
+//! Balances bytes: cuts each variable into shards with `split` (by default
+//! whole variables), then puts each shard, largest first, on the server
+//! holding the fewest bytes so far (ties: the lowest index), counting the
+//! variables declared before it: TensorFlow's `GreedyLoadBalancingStrategy`
+//! for `replica_device_setter`, by bytes. Where the others deal shards by
+//! count (a 1 GiB table and a bias vector are one shard each), this keeps
+//! the busiest server near the mean; `ParameterServer::placement()` shows
+//! it. Declaration order matters, and every process declares alike anyway.
+//! Dynamic tables (`psx::embedding`) are not placed by partitioners.
+template <class Split = FixedShards>
+struct LeastLoaded {
+  Split split{};
+
+  //! As if no server held anything yet.
+  std::vector<Shard> place(const VariableMeta& v, std::size_t num_servers) const {
+    return place(v, num_servers, std::vector<std::uint64_t>(num_servers, 0));
+  }
+  //! `server_bytes[s]`: what server `s` holds of the variables declared
+  //! before `v` (the cluster passes it).
+  std::vector<Shard> place(const VariableMeta& v, std::size_t num_servers,
+                           std::span<const std::uint64_t> server_bytes) const {
+    std::vector<Shard> shards = split.place(v, num_servers);
+    std::vector<std::uint64_t> load(num_servers, 0);
+    std::copy_n(server_bytes.begin(), std::min(server_bytes.size(), load.size()), load.begin());
+    std::vector<std::size_t> order(shards.size());
+    for (std::size_t k = 0; k < order.size(); ++k) order[k] = k;
+    std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) { return shards[a].rows() > shards[b].rows(); });
+    for (const std::size_t k : order) {
+      const auto least = static_cast<std::size_t>(std::min_element(load.begin(), load.end()) - load.begin());
+      shards[k].server = least;
+      load[least] += std::uint64_t{shards[k].rows()} * detail::row_bytes(v);
+    }
+    return shards;
+  }
+  friend bool operator==(const LeastLoaded&, const LeastLoaded&) = default;
+  friend std::ostream& operator<<(std::ostream& os, const LeastLoaded& p) {
+    return os << "LeastLoaded{" << p.split << '}';
+  }
+};
+static_assert(Partitioner<LeastLoaded<>>);
+static_assert(Partitioner<LeastLoaded<MaxSize>>);
+
 //! Consistent hashing with virtual nodes (Karger et al. 1997): every server
 //! holds `virtual_nodes` points of a 64-bit ring, and each variable lives
 //! whole on the owner of the first point at or after the hash of its name.

@@ -210,6 +210,45 @@ TEST_CASE("a placement report gives each server's bytes and the balance") {
   CHECK(hashed.placement().max_over_mean() == doctest::Approx(4.0));
 }
 
+TEST_CASE("LeastLoaded puts each shard on the server holding the fewest bytes, largest first") {
+  using psx::partition::LeastLoaded;
+  // Whole variables of 100, 60, 50, 40, 30 and 20 rows over 2 servers, in
+  // that order: 100 -> 0, 60 -> 1, 50 -> 1 (60 < 100), 40 -> 0 (100 < 110),
+  // 30 -> 1 (110 < 140), 20 -> 0 (140 = 140: the lower index).
+  psx::ParameterServer<LeastLoaded<>, psx::sync::Asynchronous, psx::optim::SGD> ps({2, 1});
+  psx::ParameterServer<psx::partition::RoundRobin, psx::sync::Asynchronous, psx::optim::SGD> dealt({2, 1});
+  const std::vector<std::size_t> rows = {100, 60, 50, 40, 30, 20};
+  for (std::size_t k = 0; k < rows.size(); ++k) {
+    ps.declare(psx::dense("v" + std::to_string(k), {rows[k], 8}));
+    dealt.declare(psx::dense("v" + std::to_string(k), {rows[k], 8}));
+  }
+  std::vector<std::size_t> servers;
+  for (std::size_t k = 0; k < rows.size(); ++k) servers.push_back(ps.variable("v" + std::to_string(k)).shards[0].server);
+  CHECK(servers == std::vector<std::size_t>{0, 1, 1, 0, 1, 0});
+  CHECK(ps.placement().bytes == std::vector<std::uint64_t>{160 * 32, 140 * 32});
+  CHECK(ps.placement().max_over_mean() == doctest::Approx(160.0 / 150.0));
+  CHECK(dealt.placement().max_over_mean() == doctest::Approx(180.0 / 150.0));  // by count: 100 + 50 + 30 on 0
+  // Shards cut by another partitioner, the largest first: 4 shards of 250,
+  // 250, 250, 250 rows after 1000 rows already on server 0 of 3.
+  const std::vector<std::uint64_t> held = {1000 * 256, 0, 0};
+  const auto split = LeastLoaded<psx::partition::FixedShards>{{4}}.place(shaped({1000, 64}), 3, held);
+  CHECK(sizes(split) == std::vector<std::size_t>{250, 250, 250, 250});
+  std::vector<std::size_t> on;
+  for (const psx::Shard& sh : split) on.push_back(sh.server);
+  CHECK(on == std::vector<std::size_t>{1, 2, 1, 2});
+  // Every placement tiles the rows; the two-argument form starts from nothing.
+  std::mt19937_64 rng(11);
+  for (int k = 0; k < 200; ++k) {
+    const std::size_t r = 1 + rng() % 5000, servers_n = 1 + rng() % 9;
+    const auto m = shaped({r, 1 + rng() % 300}, static_cast<std::uint32_t>(rng() % 7));
+    const LeastLoaded<psx::partition::MaxSize> p{{.max_shard_bytes = 1 + rng() % (1 << 20), .max_shards = rng() % 4}};
+    CHECK_NOTHROW(psx::detail::check_placement(m, p.place(m, servers_n), servers_n));
+  }
+  std::ostringstream os;
+  os << LeastLoaded<psx::partition::FixedShards>{{2}};
+  CHECK(os.str() == "LeastLoaded{FixedShards{shards=2}}");
+}
+
 TEST_CASE("placements that do not tile the rows are refused") {
   const auto m = meta("w", 10);
   auto msg = [&](std::vector<psx::Shard> shards) {

@@ -312,6 +312,12 @@ TEST_CASE("cluster_spec: addresses") {
   CHECK(ps(R"("*:2")") ==
         "psx: TF_CONFIG: cluster.ps[0]: bad address \"*:2\": the host is \"*\" (every interface): a cluster address "
         "names the interface the server binds, which its workers connect to" + expected);
+  for (const char* every : {"0.0.0.0", "[::]"})  // the same, as addresses
+    CHECK(ps("\"" + std::string(every) + ":2\"") ==
+          "psx: TF_CONFIG: cluster.ps[0]: bad address \"" + std::string(every) + ":2\": the host is \"" + every +
+              "\" (every interface): a cluster address names the interface the server binds, which its workers "
+              "connect to" +
+              expected);
   for (const char* bracketed : {"[]:5", "[abc:5", "abc]:5", "[a b]:5", "[1.2.3.4]:5"})
     CHECK(ps("\"" + std::string(bracketed) + "\"") ==
           "psx: TF_CONFIG: cluster.ps[0]: bad address \"" + std::string(bracketed) + "\": " +

@@ -677,6 +677,54 @@ TEST_CASE("zmq: CURVE: an allowed client trains, a client not on the list change
   }
 }
 
+TEST_CASE("zmq: CURVE: a client with another server key, or in plain text, fails the handshake and is counted") {
+  psx_test::Watchdog dog("zmq curve handshakes", std::chrono::seconds(120));
+  TempDir dir;
+  const ClusterSpec c = spec(1, 1, false, dir.path);
+  const auto [server_pub, server_sec] = psx::transport::Curve::keypair();
+  const auto [other_pub, other_sec] = psx::transport::Curve::keypair();
+  const auto [client_pub, client_sec] = psx::transport::Curve::keypair();
+  // No allow-list: any client that knows the key gets in, so the ZAP
+  // handler refuses nobody and every refusal counted is a handshake's.
+  ServerThread server(
+      c, dir.path, 1, [](auto& ps) { declare_fuzz(ps); },
+      [&](Zmq& z) {
+        z.curve.server_public_key = server_pub;
+        z.curve.server_secret_key = server_sec;
+      });
+  {
+    zmq::context_t ctx;
+    const std::string endpoint = published_endpoint(dir.path);
+    zmq::socket_t plain(ctx, zmq::socket_type::dealer), wrong_key(ctx, zmq::socket_type::dealer);
+    plain.set(zmq::sockopt::linger, 0);
+    wrong_key.set(zmq::sockopt::linger, 0);
+    wrong_key.set(zmq::sockopt::curve_serverkey, other_pub);
+    wrong_key.set(zmq::sockopt::curve_publickey, client_pub);
+    wrong_key.set(zmq::sockopt::curve_secretkey, client_sec);
+    plain.connect(endpoint);
+    wrong_key.connect(endpoint);
+    (void)plain.send(zmq::str_buffer("x"), zmq::send_flags::dontwait);
+    (void)wrong_key.send(zmq::str_buffer("x"), zmq::send_flags::dontwait);
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  }
+  {  // a client with the right key trains, then stops the server
+    Zmq z = settings(c, "chief", 0, dir.path);
+    z.curve.server_public_key = server_pub;
+    z.curve.client_public_key = client_pub;
+    z.curve.client_secret_key = client_sec;
+    ZmqCluster<psx::partition::HashByName, psx::sync::Synchronous, psx::optim::SGD> chief({1, 1}, {}, {}, {}, z);
+    declare_fuzz(chief);
+    chief.run([](psx::Worker& worker) {
+      std::vector<float> g(1000, 1.0f);
+      worker.push("w", g);
+      worker.step();
+    });
+  }
+  server.thread.join();
+  REQUIRE_FALSE(server.error);
+  CHECK(server.stats.rejected >= 2);  // at least one failed handshake from each (they retry)
+}
+
 TEST_CASE("zmq: a server restarted on the same endpoint is reconnected to") {
   psx_test::Watchdog dog("zmq restart", std::chrono::seconds(120));
   TempDir dir;

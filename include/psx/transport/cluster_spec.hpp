@@ -80,8 +80,9 @@ inline TfAddress parse_tf_address(std::string_view address) {
       return out;
     }
   }
-  if (out.host == "*") {
-    out.problem = "the host is \"*\" (every interface): a cluster address names the interface the server binds, "
+  if (out.host == "*" || out.host == "0.0.0.0" || out.host == "[::]" || out.host == "[0:0:0:0:0:0:0:0]") {
+    out.problem = "the host is \"" + std::string(out.host) +
+                  "\" (every interface): a cluster address names the interface the server binds, "
                   "which its workers connect to";
     return out;
   }

@@ -690,6 +690,17 @@ class Zmq::link_type {
     // with a wire_error (a smaller libzmq limit left a worker whose message
     // was over max_message_bytes waiting for ever).
     router_.set(zmq::sockopt::maxmsgsize, static_cast<std::int64_t>(::psx::detail::wire::max_chunk_bytes + 64));
+    // Handshakes that fail the protocol (a client with another server key,
+    // a plain-text client of a CURVE server) are refused by libzmq before
+    // any message: the loop counts them from the router's monitor. (Clients
+    // the allow-list refuses are counted by the ZAP handler; connections
+    // that just close, such as port probes, are not refusals.)
+    if (zmq_socket_monitor(router_.handle(), "inproc://psx-router-monitor", ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL) != 0)
+      throw config_error(std::string("psx: ps task ") + std::to_string(s) +
+                         ": cannot monitor its socket: " + zmq_strerror(zmq_errno()));
+    monitor_ = zmq::socket_t(zctx_, zmq::socket_type::pair);
+    monitor_.set(zmq::sockopt::linger, 0);
+    monitor_.connect("inproc://psx-router-monitor");
     const std::string endpoint = zmq_endpoint(address);
     if (detail_zmq::ipv6(endpoint)) router_.set(zmq::sockopt::ipv6, 1);
     if (detail_zmq::ipc_in_use(endpoint))
@@ -783,6 +794,7 @@ class Zmq::link_type {
         if (chief_lost(now)) break;
         if (const auto denied = l_.zap_denied_.exchange(0, std::memory_order_relaxed))
           for (std::uint64_t k = 0; k < denied; ++k) h_.link_event(RequestHandler::LinkEvent::rejected);
+        count_failed_handshakes();
         auto until = std::min(h_.next_tick(), now + std::chrono::milliseconds(100));
         // The socket's state first (ZMQ_FD tells only of what changed since
         // it was last looked at), then a sleep on its descriptor unless it
@@ -811,6 +823,7 @@ class Zmq::link_type {
       const std::string why = "psx: " + name_ + " stopped before answering";
       h_.drain([&] { return std::make_exception_ptr(shutdown_error(why)); });
       flush();
+      l_.monitor_.close();
       l_.router_.close();
     }
 
@@ -821,6 +834,21 @@ class Zmq::link_type {
       ::psx::detail::wire::Incoming in;
       std::vector<std::unique_ptr<std::uint64_t[]>> replies;
     };
+
+    // Each event the monitor reports (it asks only for failed handshakes)
+    // is a refused client.
+    void count_failed_handshakes() {
+      for (int k = 0; k < 64; ++k) {
+        std::vector<zmq::message_t> event;
+        try {
+          if (!zmq::recv_multipart(l_.monitor_, std::back_inserter(event), zmq::recv_flags::dontwait)) return;
+        } catch (const zmq::error_t&) {
+          return;
+        }
+        detail_zmq::taken_over();
+        if (!event.empty() && event[0].size() >= 2) h_.link_event(RequestHandler::LinkEvent::rejected);
+      }
+    }
 
     bool chief_lost(clock::time_point now) {
       const auto timeout = l_.ctx_.peer_timeout;
@@ -1428,6 +1456,7 @@ class Zmq::link_type {
   std::optional<std::size_t> worker_index_;
   // server side
   zmq::socket_t router_;
+  zmq::socket_t monitor_;  // the router's failed handshakes (ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL)
   zmq::socket_t zap_socket_;
   std::thread zap_;
   std::atomic<std::uint64_t> zap_denied_{0};
