@@ -238,12 +238,12 @@ int main(int argc, char** argv) {
           // goal is about: time for 4 KiB, throughput above.
           const std::string label = what + std::string(s.name);
           if (s.floats <= 1024)
-            std::printf("%-6s %-18s %11.1f us %11.1f us %5.3f GB/s %5.3f GB/s %7.2fx   (round trip; goal <= 1.5x)\n", link,
-                        label.c_str(), median(p->psx) * 1e6, median(p->raw) * 1e6, bytes / median(p->psx) / 1e9,
+            std::printf("%-6s %-18s %11.1f us %11.1f us %5.3f GB/s %5.3f GB/s %7.2fx   (round trip; goal <= 1.5x)\n",
+                        link, label.c_str(), median(p->psx) * 1e6, median(p->raw) * 1e6, bytes / median(p->psx) / 1e9,
                         bytes / median(p->raw) / 1e9, median(p->time_ratio));
           else
-            std::printf("%-6s %-18s %11.1f us %11.1f us %5.2f GB/s %5.2f GB/s %7.2fx   (throughput; goal >= 0.9x; rounds "
-                        "%.2f-%.2fx)\n",
+            std::printf("%-6s %-18s %11.1f us %11.1f us %5.2f GB/s %5.2f GB/s %7.2fx   "
+                        "(throughput; goal >= 0.9x; rounds %.2f-%.2fx)\n",
                         link, label.c_str(), median(p->psx) * 1e6, median(p->raw) * 1e6, bytes / median(p->psx) / 1e9,
                         bytes / median(p->raw) / 1e9, 1.0 / median(p->time_ratio),
                         1.0 / *std::max_element(p->time_ratio.begin(), p->time_ratio.end()),
@@ -259,8 +259,8 @@ int main(int argc, char** argv) {
       for (int r = 0; r < reps; ++r)
         sparse.add(r, [&] { w.pull_rows("emb", ids, rows); }, [&] { raw.pull_with(ids, rows); });
       const double bytes = static_cast<double>(rows.size() * sizeof(float));
-      std::printf("%-6s %-18s %11.1f us %11.1f us %5.2f GB/s %5.2f GB/s %7.2fx   (rows answered; both send the ids, raw "
-                  "gathers nothing)\n",
+      std::printf("%-6s %-18s %11.1f us %11.1f us %5.2f GB/s %5.2f GB/s %7.2fx   "
+                  "(rows answered; both send the ids, raw gathers nothing)\n",
                   link, "sparse pull 100k", median(sparse.psx) * 1e6, median(sparse.raw) * 1e6,
                   bytes / median(sparse.psx) / 1e9, bytes / median(sparse.raw) / 1e9, 1.0 / median(sparse.time_ratio));
       w.leave();

@@ -169,12 +169,14 @@ struct LeastLoaded {
   //! before `v` (the cluster passes it).
   std::vector<Shard> place(const VariableMeta& v, std::size_t num_servers,
                            std::span<const std::uint64_t> server_bytes) const {
+    if (num_servers == 0) throw config_error("psx: partition::LeastLoaded: no servers to place '" + v.name + "' on");
     std::vector<Shard> shards = split.place(v, num_servers);
     std::vector<std::uint64_t> load(num_servers, 0);
     std::copy_n(server_bytes.begin(), std::min(server_bytes.size(), load.size()), load.begin());
     std::vector<std::size_t> order(shards.size());
     for (std::size_t k = 0; k < order.size(); ++k) order[k] = k;
-    std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) { return shards[a].rows() > shards[b].rows(); });
+    std::stable_sort(order.begin(), order.end(),
+                     [&](std::size_t a, std::size_t b) { return shards[a].rows() > shards[b].rows(); });
     for (const std::size_t k : order) {
       const auto least = static_cast<std::size_t>(std::min_element(load.begin(), load.end()) - load.begin());
       shards[k].server = least;

@@ -223,7 +223,8 @@ TEST_CASE("LeastLoaded puts each shard on the server holding the fewest bytes, l
     dealt.declare(psx::dense("v" + std::to_string(k), {rows[k], 8}));
   }
   std::vector<std::size_t> servers;
-  for (std::size_t k = 0; k < rows.size(); ++k) servers.push_back(ps.variable("v" + std::to_string(k)).shards[0].server);
+  for (std::size_t k = 0; k < rows.size(); ++k)
+    servers.push_back(ps.variable("v" + std::to_string(k)).shards[0].server);
   CHECK(servers == std::vector<std::size_t>{0, 1, 1, 0, 1, 0});
   CHECK(ps.placement().bytes == std::vector<std::uint64_t>{160 * 32, 140 * 32});
   CHECK(ps.placement().max_over_mean() == doctest::Approx(160.0 / 150.0));

@@ -10,10 +10,15 @@
 set -u
 node=$1
 work=$(mktemp -d)
-pids=()      # this scenario's processes
-all_pids=()  # every process started, for the cleanup
+# kill_children: every child of this shell not yet waited for (jobs -p: a
+# pid once reaped may name another process by now).
+kill_children() {
+  local p
+  for p in $(jobs -p); do kill -9 "$p" 2>/dev/null; kill -CONT "$p" 2>/dev/null; done
+  wait 2>/dev/null
+}
 cleanup() {
-  for p in "${all_pids[@]}"; do kill -9 "$p" 2>/dev/null; kill -CONT "$p" 2>/dev/null; done
+  kill_children
   rm -rf "$work"
 }
 trap cleanup EXIT
@@ -28,8 +33,6 @@ start() {
   local name=$1 type=$2 index=$3
   TF_CONFIG="{\"cluster\":$cluster,\"task\":{\"type\":\"$type\",\"index\":$index}}" \
     PSX_RENDEZVOUS="$work/rv" "$node" "${args[@]}" >"$work/$name.log" 2>&1 &
-  pids+=($!)
-  all_pids+=($!)
   eval "pid_$name=$!"
 }
 # No "Killed" notices from bash for the processes the scenarios kill.
@@ -75,14 +78,9 @@ expect() {
 
 # end_scenario: nothing of a scenario outlives it (one that failed may have
 # left a process running).
-end_scenario() {
-  local p
-  for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null; kill -CONT "$p" 2>/dev/null; done
-  for p in "${pids[@]}"; do wait "$p" 2>/dev/null; done
-}
+end_scenario() { kill_children; }
 
 launch_all() {
-  pids=()
   rm -rf "$work/rv"; mkdir -p "$work/rv"
   start ps ps 0
   start chief chief 0
@@ -90,14 +88,14 @@ launch_all() {
   start w2 worker 1
   # Until every worker says it trains (its second step), 60 s at most;
   # otherwise the scenario is failed and skipped (its processes killed).
-  local name p waited=0
+  local name waited=0
   for name in chief w1 w2; do
     until grep -q ": training$" "$work/$name.log"; do
       sleep 0.1
       waited=$((waited + 1))
       if [ "$waited" -ge 600 ]; then
         fail "$scenario: $name never started training"; sed 's/^/    /' "$work/$name.log"
-        for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null; kill -CONT "$p" 2>/dev/null; done
+        kill_children
         return 1
       fi
     done

@@ -195,11 +195,12 @@ TEST_CASE("zmq: a worker that starts late is waited for up to start_timeout; one
   psx_test::Watchdog dog("zmq late worker", std::chrono::seconds(120));
   using Sync = ZmqCluster<psx::partition::RowRange, psx::sync::Synchronous, psx::optim::SGD>;
   // A peer timeout shorter than the late worker's delay: without the start
-  // grace, the server declared it lost while the chief waited on it.
-  const psx::ClusterConfig config{1, 2, std::chrono::milliseconds(400)};
+  // grace, the server declared it lost while the chief waited on it. (1 s:
+  // a live thread of a sanitizer build on two busy cores can stall for less.)
+  const psx::ClusterConfig config{1, 2, std::chrono::milliseconds(1000)};
   SUBCASE("late, within start_timeout: training goes on") {
     for_each_task(1, 2, false, [&](const std::string& type, std::size_t, Zmq z) {
-      if (type == "worker") std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+      if (type == "worker") std::this_thread::sleep_for(std::chrono::milliseconds(2500));
       Sync cluster(config, {}, {}, psx::optim::SGD{0.05f}, z);
       psx_zmq_test::declare(cluster);
       cluster.run(psx_zmq_test::train);
@@ -210,9 +211,10 @@ TEST_CASE("zmq: a worker that starts late is waited for up to start_timeout; one
     const ClusterSpec c = spec(1, 2, false, dir.path);
     auto with_start = [&](const char* type) {
       Zmq z = settings(c, type, 0, dir.path);
-      z.start_timeout = std::chrono::milliseconds(1200);
+      z.start_timeout = std::chrono::milliseconds(2000);
       return z;
     };
+    const auto t0 = std::chrono::steady_clock::now();  // before the server's own start
     std::thread server([&] {
       Sync ps(config, {}, {}, psx::optim::SGD{0.05f}, with_start("ps"));
       psx_zmq_test::declare(ps);
@@ -223,11 +225,10 @@ TEST_CASE("zmq: a worker that starts late is waited for up to start_timeout; one
     });
     Sync chief(config, {}, {}, psx::optim::SGD{0.05f}, with_start("chief"));
     psx_zmq_test::declare(chief);
-    const auto t0 = std::chrono::steady_clock::now();
     const std::string why = psx_test::message_of<psx::peer_lost>([&] { chief.run(psx_zmq_test::train); });
-    CHECK(std::chrono::steady_clock::now() - t0 >= std::chrono::milliseconds(1000));
+    CHECK(std::chrono::steady_clock::now() - t0 >= std::chrono::milliseconds(2000));
     CHECK(why.find("worker 1 was lost (never appeared: nothing from it in the ") != std::string::npos);
-    CHECK(why.find("(start timeout 1200 ms)") != std::string::npos);
+    CHECK(why.find("(start timeout 2000 ms)") != std::string::npos);
     chief.shutdown();  // its stop lets the server go
     server.join();
   }
@@ -677,12 +678,13 @@ TEST_CASE("zmq: CURVE: an allowed client trains, a client not on the list change
   }
 }
 
-TEST_CASE("zmq: CURVE: a client with another server key, or in plain text, fails the handshake and is counted") {
+TEST_CASE("zmq: CURVE: a client with another server key fails the handshake and is counted") {
   psx_test::Watchdog dog("zmq curve handshakes", std::chrono::seconds(120));
   TempDir dir;
   const ClusterSpec c = spec(1, 1, false, dir.path);
   const auto [server_pub, server_sec] = psx::transport::Curve::keypair();
   const auto [other_pub, other_sec] = psx::transport::Curve::keypair();
+  const auto [third_pub, third_sec] = psx::transport::Curve::keypair();
   const auto [client_pub, client_sec] = psx::transport::Curve::keypair();
   // No allow-list: any client that knows the key gets in, so the ZAP
   // handler refuses nobody and every refusal counted is a handshake's.
@@ -692,37 +694,46 @@ TEST_CASE("zmq: CURVE: a client with another server key, or in plain text, fails
         z.curve.server_public_key = server_pub;
         z.curve.server_secret_key = server_sec;
       });
+  Zmq z = settings(c, "chief", 0, dir.path);
+  z.curve.server_public_key = server_pub;
+  z.curve.client_public_key = client_pub;
+  z.curve.client_secret_key = client_sec;
   {
-    zmq::context_t ctx;
-    const std::string endpoint = published_endpoint(dir.path);
-    zmq::socket_t plain(ctx, zmq::socket_type::dealer), wrong_key(ctx, zmq::socket_type::dealer);
-    plain.set(zmq::sockopt::linger, 0);
-    wrong_key.set(zmq::sockopt::linger, 0);
-    wrong_key.set(zmq::sockopt::curve_serverkey, other_pub);
-    wrong_key.set(zmq::sockopt::curve_publickey, client_pub);
-    wrong_key.set(zmq::sockopt::curve_secretkey, client_sec);
-    plain.connect(endpoint);
-    wrong_key.connect(endpoint);
-    (void)plain.send(zmq::str_buffer("x"), zmq::send_flags::dontwait);
-    (void)wrong_key.send(zmq::str_buffer("x"), zmq::send_flags::dontwait);
-    std::this_thread::sleep_for(std::chrono::milliseconds(300));
-  }
-  {  // a client with the right key trains, then stops the server
-    Zmq z = settings(c, "chief", 0, dir.path);
-    z.curve.server_public_key = server_pub;
-    z.curve.client_public_key = client_pub;
-    z.curve.client_secret_key = client_sec;
+    // A client with the right key trains and reads the server's counters
+    // over the wire while two with other server keys try once each (no
+    // reconnection: one failed handshake apiece at most). The server finds
+    // the key wrong when it cannot decrypt the client's HELLO, always. (A
+    // client in plain text is counted too when the server reads its
+    // greeting before it hangs up, seeing CURVE; not always, so not here.)
     ZmqCluster<psx::partition::HashByName, psx::sync::Synchronous, psx::optim::SGD> chief({1, 1}, {}, {}, {}, z);
     declare_fuzz(chief);
-    chief.run([](psx::Worker& worker) {
+    chief.run([&](psx::Worker& worker) {
       std::vector<float> g(1000, 1.0f);
       worker.push("w", g);
       worker.step();
+      zmq::context_t ctx;
+      const std::string endpoint = published_endpoint(dir.path);
+      zmq::socket_t a(ctx, zmq::socket_type::dealer), b(ctx, zmq::socket_type::dealer);
+      for (auto [s, key] : {std::pair{&a, other_pub}, std::pair{&b, third_pub}}) {
+        s->set(zmq::sockopt::linger, 0);
+        s->set(zmq::sockopt::reconnect_ivl, -1);
+        s->set(zmq::sockopt::curve_serverkey, key);
+        s->set(zmq::sockopt::curve_publickey, client_pub);
+        s->set(zmq::sockopt::curve_secretkey, client_sec);
+        s->connect(endpoint);
+        (void)s->send(zmq::str_buffer("x"), zmq::send_flags::dontwait);
+      }
+      std::uint64_t rejected = 0;
+      for (int k = 0; k < 1000 && rejected < 2; ++k) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+        rejected = worker.server_stats()[0].rejected;
+      }
+      CHECK(rejected == 2);
     });
   }
   server.thread.join();
   REQUIRE_FALSE(server.error);
-  CHECK(server.stats.rejected >= 2);  // at least one failed handshake from each (they retry)
+  CHECK(server.stats.rejected == 2);
 }
 
 TEST_CASE("zmq: a server restarted on the same endpoint is reconnected to") {

@@ -34,6 +34,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <condition_variable>
 #include <cstddef>
@@ -103,8 +104,9 @@ struct Zmq {
   //! (file `ps-<i>`) and where workers look for it. Needed only with port 0.
   std::string rendezvous;
   //! How long a worker waits for every server to answer its hello, and a
-  //! server for the chief's first message (with or without a peer timeout)
-  //! and for each worker's before a peer timeout may declare it lost.
+  //! server for the chief's first message (with or without a peer timeout;
+  //! the peer timeout when longer) and for each worker's before a peer
+  //! timeout may declare it lost.
   std::chrono::milliseconds start_timeout{30000};
   //! Tensors larger than this travel as several frames.
   std::uint32_t chunk_bytes = ::psx::detail::wire::max_chunk_bytes;
@@ -163,9 +165,12 @@ inline bool ipc_in_use(std::string_view endpoint) noexcept {
   if (path.empty() || path[0] == '@' || path.size() >= sizeof addr.sun_path) return false;
   addr.sun_family = AF_UNIX;
   std::memcpy(addr.sun_path, path.data(), path.size());
-  const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  // Non-blocking: a listener whose backlog is full (a stopped or swamped
+  // server) would block a connect; it is in use too.
+  const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
   if (fd < 0) return false;
-  const bool live = ::connect(fd, reinterpret_cast<const ::sockaddr*>(&addr), sizeof addr) == 0;
+  const int r = ::connect(fd, reinterpret_cast<const ::sockaddr*>(&addr), sizeof addr);
+  const bool live = r == 0 || errno == EAGAIN || errno == EINPROGRESS;
   ::close(fd);
   return live;
 }
@@ -690,9 +695,10 @@ class Zmq::link_type {
     // with a wire_error (a smaller libzmq limit left a worker whose message
     // was over max_message_bytes waiting for ever).
     router_.set(zmq::sockopt::maxmsgsize, static_cast<std::int64_t>(::psx::detail::wire::max_chunk_bytes + 64));
-    // Handshakes that fail the protocol (a client with another server key,
-    // a plain-text client of a CURVE server) are refused by libzmq before
-    // any message: the loop counts them from the router's monitor. (Clients
+    // Handshakes that fail the protocol (a client with another server key;
+    // a plain-text client of a CURVE server, when its greeting is read
+    // before it hangs up) are refused by libzmq before any message: the
+    // loop counts them from the router's monitor. (Clients
     // the allow-list refuses are counted by the ZAP handler; connections
     // that just close, such as port probes, are not refusals.)
     if (zmq_socket_monitor(router_.handle(), "inproc://psx-router-monitor", ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL) != 0)
