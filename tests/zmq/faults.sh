@@ -35,8 +35,10 @@ start() {
     PSX_RENDEZVOUS="$work/rv" "$node" "${args[@]}" >"$work/$name.log" 2>&1 &
   eval "pid_$name=$!"
 }
-# No "Killed" notices from bash for the processes the scenarios kill.
+# No "Killed" notices from bash for the processes the scenarios kill: each
+# is reaped at once, the notice going where wait's stderr goes.
 set +m
+kill_quietly() { kill -9 "$1"; wait "$1" 2>/dev/null; }
 
 now_ms() { echo $(($(date +%s%N) / 1000000)); }
 # Each process must end within this many seconds of the fault ($fault_ms,
@@ -104,7 +106,7 @@ launch_all() {
 
 scenario="SIGKILL a worker"
 if launch_all; then
-  kill -9 "$pid_w2"
+  kill_quietly "$pid_w2"
   fault_ms=$(now_ms)
   expect chief 3 "worker 2 was lost (sent nothing for"
   expect w1 3 "worker 2 was lost (sent nothing for"
@@ -114,7 +116,7 @@ end_scenario
 
 scenario="SIGKILL the server"
 if launch_all; then
-  kill -9 "$pid_ps"
+  kill_quietly "$pid_ps"
   fault_ms=$(now_ms)
   expect chief 3 "ps task 0 (tcp://127.0.0.1:[0-9]*) sent nothing for"
   expect w1 3 "ps task 0 (tcp://127.0.0.1:[0-9]*) sent nothing for"
