@@ -167,7 +167,7 @@ TEST_CASE("a server counts the requests it holds: its queue's depth now and at m
   CHECK(st.waiting_max == 2);
 }
 
-TEST_CASE("a worker's pushes within one step add up; a worker that pushes nothing adds nothing") {
+TEST_CASE("a worker's pushes within one step add up, a worker that pushes nothing adds nothing") {
   psx::ParameterServer<> ps({1, 3}, {}, {psx::sync::Aggregate::sum}, {1.0f});
   ps.declare(psx::dense("x", {2}));
   ps.run([](psx::Worker& w) {
@@ -229,7 +229,7 @@ struct LastPushWins {
   }
 };
 
-TEST_CASE("in process, a blocking call is handled by its own thread unless waiters_serve is off; order holds") {
+TEST_CASE("in process, a blocking call is handled by its own thread unless waiters_serve is off, order holds") {
   Watchdog dog("waiters serve");
   for (const bool waiters_serve : {true, false}) {
     CAPTURE(waiters_serve);
@@ -643,7 +643,7 @@ TEST_CASE("every misuse of the worker API raises a typed error naming the variab
   CHECK(message_of<psx::shutdown_error>([&] { ps.start(); }) == "psx: start() after shutdown()");
 }
 
-TEST_CASE("what declare returns outlives later declarations; the cluster's own lookups name themselves") {
+TEST_CASE("what declare returns outlives later declarations, the cluster's own lookups name themselves") {
   psx::ParameterServer<psx::partition::RowRange> ps({2, 1});
   // It was a reference into the cluster's vector, which later declarations reallocated.
   const auto& first = ps.declare(dense_w());
@@ -795,7 +795,7 @@ TEST_CASE("workers with unequal step counts finish") {
   CHECK(ps.read("x")[0] < 0.0f);
 }
 
-TEST_CASE("a worker that throws under Synchronous fails the others with peer_lost; run() rethrows its exception") {
+TEST_CASE("a worker that throws under Synchronous fails the others with peer_lost, run() rethrows its exception") {
   Watchdog dog("worker failure");
   psx::ParameterServer<> ps({2, 4}, {}, {}, {0.1f});
   ps.declare(psx::dense("x", {4}));
@@ -907,7 +907,7 @@ TEST_CASE("clusters shut down in any state") {
   }
 }
 
-TEST_CASE("a Handle may outlive its cluster; waiting on it then reads nothing of the cluster") {
+TEST_CASE("a Handle may outlive its cluster, waiting on it then reads nothing of the cluster") {
   // Its waiter used the cluster's state, freed with it: a heap-use-after-free
   // that only the AddressSanitizer preset sees (the result here is right
   // either way).
@@ -1149,7 +1149,7 @@ TEST_CASE("a server refuses requests it cannot trust, and keeps serving") {
   CHECK(h.snapshot().size() == 14);
 }
 
-TEST_CASE("a cancel finishes the kept pull it names (that worker's, that call) with an error; nothing else") {
+TEST_CASE("a cancel finishes the kept pull it names (that worker's, that call) with an error, nothing else") {
   HandServer<> h;  // Synchronous, 2 workers
   CHECK(h.send(op(psx::Op::clock, 0, 1)).empty());
   std::vector<float> out(4, 9.0f);

@@ -179,7 +179,7 @@ TEST_CASE("export: a variable named like another's scales is refused before anyt
   CHECK(fs::is_empty(base.path));
 }
 
-TEST_CASE("export: a name that would unzip outside the npz's directory is refused; slashes within are kept") {
+TEST_CASE("export: a name that would unzip outside the npz's directory is refused, slashes within are kept") {
   TempDir base("psx-export-zipslip");
   SGDCluster ps({1, 1}, {}, {}, {1.0});
   const std::vector<std::string> refused = {"../up", "a/../../up", "..", "a/..", "/etc/x", "a\\b",
@@ -293,7 +293,7 @@ TEST_CASE("export: what the formats cannot hold is refused, names as readers tak
                        psx::checkpoint_error);
 }
 
-TEST_CASE("export: a dynamic table is left out, refused when named; checkpoints refuse it by name") {
+TEST_CASE("export: a dynamic table is left out, refused when named, checkpoints refuse it by name") {
   TempDir base("tables");
   psx::checkpoint::Info plain;
   {  // a checkpoint of "w" alone, for the restore below
@@ -401,7 +401,7 @@ TEST_CASE("pruning: how many weights go, and ties at the threshold, as TensorFlo
   CHECK(zeros(prune(std::vector<float>(8, 0.5f), 0.5)) == 0);  // all tied: none pruned (it pruned 4 by position)
 }
 
-TEST_CASE("pruning: during training the smallest weights go to zero and stay there; the export stores them sparsely") {
+TEST_CASE("pruning: during training the smallest weights go to zero and stay there, the export stores them sparsely") {
   psx_test::Watchdog dog("pruning");
   TempDir base("pruned");
   using Opt = psx::optim::Pruned<psx::optim::SGD>;

@@ -547,7 +547,7 @@ TEST_CASE("optim: the server refuses row pushes for LAMB, whose trust ratio need
   CHECK(ps.read("w") == before);
 }
 
-TEST_CASE("optim: slots are sharded with the parameters; bytes per parameter") {
+TEST_CASE("optim: slots are sharded with the parameters, bytes per parameter") {
   CHECK(psx::optim::bytes_per_parameter(psx::optim::SGD{}) == 4);
   CHECK(psx::optim::bytes_per_parameter(psx::optim::SGD{.momentum = 0.9}) == 8);
   CHECK(psx::optim::bytes_per_parameter(psx::optim::Adagrad{}) == 8);

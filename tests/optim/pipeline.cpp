@@ -434,7 +434,7 @@ TEST_CASE("gradients: a bad micro-batch raises a typed error naming the variable
         "(shape [2]); nothing of this micro-batch was accumulated");
 }
 
-TEST_CASE("gradients: a dynamic table's rows go through the pipeline by any 64-bit id; a dense gradient for it is refused") {
+TEST_CASE("gradients: a dynamic table's rows go through the pipeline by any 64-bit id, a dense gradient for it is refused") {
   Watchdog dog("dynamic table");
   Fixture f;
   f.ps.declare(psx::embedding("tab", 2, psx::Initializer::zeros()));
@@ -460,7 +460,7 @@ TEST_CASE("gradients: a dynamic table's rows go through the pipeline by any 64-b
   CHECK(pulled(w, "a") == Floats{-1.0f});
 }
 
-TEST_CASE("gradients: reset() drops the accumulated micro-batches; a failed push drops them too") {
+TEST_CASE("gradients: reset() drops the accumulated micro-batches, a failed push drops them too") {
   Watchdog dog("reset");
   Fixture f;
   f.ps.declare(psx::dense("a", {1}));

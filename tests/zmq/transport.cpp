@@ -191,7 +191,7 @@ TEST_CASE("zmq: a peer that never appears is named in the timeout error") {
         "psx: worker 0: no answer within 300 ms (start_timeout) from ps task 0 (" + endpoint + ")");
 }
 
-TEST_CASE("zmq: a worker that starts late is waited for up to start_timeout; one that never starts is named") {
+TEST_CASE("zmq: a worker that starts late is waited for up to start_timeout, one that never starts is named") {
   psx_test::Watchdog dog("zmq late worker", std::chrono::seconds(120));
   using Sync = ZmqCluster<psx::partition::RowRange, psx::sync::Synchronous, psx::optim::SGD>;
   // A peer timeout shorter than the late worker's delay: without the start
