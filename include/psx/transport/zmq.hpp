@@ -800,7 +800,10 @@ class Zmq::link_type {
         if (chief_lost(now)) break;
         if (const auto denied = l_.zap_denied_.exchange(0, std::memory_order_relaxed))
           for (std::uint64_t k = 0; k < denied; ++k) h_.link_event(RequestHandler::LinkEvent::rejected);
-        count_failed_handshakes();
+        if (now >= monitor_due_) {  // not urgent: a look every 100 ms, not a syscall per message
+          count_failed_handshakes();
+          monitor_due_ = now + std::chrono::milliseconds(100);
+        }
         auto until = std::min(h_.next_tick(), now + std::chrono::milliseconds(100));
         // The socket's state first (ZMQ_FD tells only of what changed since
         // it was last looked at), then a sleep on its descriptor unless it
@@ -829,6 +832,7 @@ class Zmq::link_type {
       const std::string why = "psx: " + name_ + " stopped before answering";
       h_.drain([&] { return std::make_exception_ptr(shutdown_error(why)); });
       flush();
+      count_failed_handshakes();  // what came since the last look
       l_.monitor_.close();
       l_.router_.close();
     }
@@ -840,6 +844,8 @@ class Zmq::link_type {
       ::psx::detail::wire::Incoming in;
       std::vector<std::unique_ptr<std::uint64_t[]>> replies;
     };
+
+    clock::time_point monitor_due_{};
 
     // Each event the monitor reports (it asks only for failed handshakes)
     // is a refused client.
