@@ -711,9 +711,8 @@ class DynamicTable {
       const Stripe& st = stripe(batch.hash[j]);
       slots[k] = find(st, ids[j], batch.hash[j]);
       if (slots[k] == empty_slot) continue;
-      const std::byte* r = record_bytes(st, slots[k]);
-      for (std::size_t b = whole ? 0 : sizeof(RowMeta); b < bytes; b += 64) __builtin_prefetch(r + b);
-      __builtin_prefetch(r + bytes - 1);
+      const std::size_t skip = whole ? 0 : sizeof(RowMeta);
+      detail::prefetch_bytes(record_bytes(st, slots[k]) + skip, bytes - skip);
     }
   }
 

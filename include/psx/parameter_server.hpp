@@ -445,10 +445,7 @@ class ParameterServer {
     if constexpr (requires(std::span<const std::uint64_t> b) {
                     { partitioner_.place(meta, n, b) } -> std::same_as<std::vector<Shard>>;
                   }) {
-      std::vector<std::uint64_t> bytes(n, 0);
-      for (const VariableInfo& v : core_->variables)
-        for (const Shard& sh : v.shards) bytes[sh.server] += std::uint64_t{sh.rows()} * detail::row_bytes(v.meta);
-      return partitioner_.place(meta, n, bytes);
+      return partitioner_.place(meta, n, placement_report(core_->variables, n).bytes);
     } else {
       return partitioner_.place(meta, n);
     }

@@ -202,10 +202,7 @@ struct Host {
       constexpr std::size_t ahead = 8;
       const std::size_t ask = std::min<std::size_t>(width_ * sizeof(T), 256);
       auto prefetch = [&](std::size_t j) {
-        if (ask == 0) return;
-        const auto* r = reinterpret_cast<const char*>(base + (ids[j] - first_row) * width_);
-        for (std::size_t b = 0; b < ask; b += 64) __builtin_prefetch(r + b);
-        __builtin_prefetch(r + ask - 1);
+        if (ask != 0) detail::prefetch_bytes(base + (ids[j] - first_row) * width_, ask);
       };
       for (std::size_t j = 0; j < ids.size() && j < ahead; ++j) prefetch(j);
       for (std::size_t j = 0; j < ids.size(); ++j) {

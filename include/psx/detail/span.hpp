@@ -40,6 +40,15 @@ inline void copy_floats(float* dst, const float* src, std::size_t n) noexcept {
   }
 }
 
+//! Asks for the cache lines of `[p, p + bytes)`, `bytes > 0` (the last one
+//! too, where `p` is not on a line): rows read out of order then miss the
+//! caches together instead of one after another.
+inline void prefetch_bytes(const void* p, std::size_t bytes) noexcept {
+  const auto* c = static_cast<const char*>(p);
+  for (std::size_t b = 0; b < bytes; b += 64) __builtin_prefetch(c + b);
+  __builtin_prefetch(c + bytes - 1);
+}
+
 }  // namespace detail
 }  // namespace v0
 }  // namespace psx
