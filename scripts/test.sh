@@ -22,11 +22,14 @@ if ! /usr/bin/python3 -c 'import tensorboard' 2>/dev/null; then
 fi
 for preset in "${presets[@]}"; do
   echo "=== psx: ${preset} ==="
+  t=$SECONDS
   cmake --preset "$preset" >/dev/null
   cmake --build --preset "$preset" -j "$jobs"
   if [ "$preset" = dev ]; then
     # Every public header compiles on its own (VERIFY_INTERFACE_HEADER_SETS).
     cmake --build --preset dev -j "$jobs" --target all_verify_interface_header_sets
   fi
+  # The build's time (ctest prints the tests'): where a slow CI run spent it.
+  echo "=== psx: ${preset} built in $((SECONDS - t)) s ==="
   ctest --preset "$preset" -j "$jobs"
 done
