@@ -835,7 +835,7 @@ std::thread serve(const psx::ClusterConfig& config, const ClusterSpec& c, const 
 
 }  // namespace
 
-TEST_CASE("zmq: a server stops when the chief dies while others wait, and when a worker died before the stop") {
+TEST_CASE("zmq: a server stops when the chief dies while others wait, when a worker died before the stop, and when the chief never left") {
   psx_test::Watchdog dog("zmq dead peers", std::chrono::seconds(120));
   using namespace std::chrono_literals;
   auto declare = [](auto& ps) { ps.declare(psx::dense("w", {100}, psx::Initializer::constant(1.0f))); };
@@ -934,6 +934,31 @@ TEST_CASE("zmq: a server stops when the chief dies while others wait, and when a
         w.step();
       });
     }  // stop sent
+    const auto stopped = std::chrono::steady_clock::now();
+    while (!ended && std::chrono::steady_clock::now() - stopped < 10s) std::this_thread::sleep_for(10ms);
+    CHECK_MESSAGE(ended.load(), "the server still serves 10 s after the chief's stop");
+    server.join();
+    CHECK(how == "returned");
+  }
+  SUBCASE("the chief drove its worker by hand and never called leave(): its stop ends the server") {
+    // No peer timeout: the server waited for ever on a worker 0 that could
+    // send nothing more once its process had closed the cluster.
+    using Async = ZmqCluster<psx::partition::RowRange, psx::sync::Asynchronous, psx::optim::SGD>;
+    const psx::ClusterConfig untimed{1, 1};
+    TempDir dir;
+    const ClusterSpec c = spec(1, 1, false, dir.path);
+    std::atomic<bool> ended{false};
+    std::string how;
+    std::thread server = serve<Async>(untimed, c, dir.path, declare, ended, how);
+    std::vector<float> v(100);
+    {
+      Async chief(untimed, {}, {}, {0.1f}, settings(c, "chief", 0, dir.path));
+      declare(chief);
+      psx::Worker w = chief.worker(0);
+      w.push("w", std::vector<float>(100, 1.0f));
+      w.pull("w", v);
+    }  // no leave(); the cluster's close sends the stop
+    CHECK(v[0] == doctest::Approx(0.9f));
     const auto stopped = std::chrono::steady_clock::now();
     while (!ended && std::chrono::steady_clock::now() - stopped < 10s) std::this_thread::sleep_for(10ms);
     CHECK_MESSAGE(ended.load(), "the server still serves 10 s after the chief's stop");

@@ -893,12 +893,15 @@ class Zmq::link_type {
     // or (with a peer timeout) gone silent for it: after the stop nobody
     // waits on progress, so the server loses no silent worker itself, and
     // one that died would keep this process serving for ever. One that
-    // never spoke had start_timeout to appear.
+    // never spoke had start_timeout to appear. The chief's own worker
+    // (worker 0) is done with the stop, left or not: the stop comes from
+    // its process closing the cluster (one driven by hand, `ps.worker(0)`,
+    // that never called leave() kept every server serving for ever).
     bool done_serving() const {
       const auto now = clock::now();
       const bool late = now - started_ > l_.settings_.start_timeout;
       const auto timeout = l_.ctx_.peer_timeout;
-      for (std::size_t w = 0; w < seen_.size(); ++w) {
+      for (std::size_t w = 1; w < seen_.size(); ++w) {
         if (!seen_[w]) {
           if (!late) return false;
           continue;
