@@ -835,7 +835,7 @@ std::thread serve(const psx::ClusterConfig& config, const ClusterSpec& c, const 
 
 }  // namespace
 
-TEST_CASE("zmq: a server stops when the chief dies while others wait, when a worker died before the stop, and when the chief never left") {
+TEST_CASE("zmq: a server stops when the chief dies while others wait, when a worker died before the stop, and after a chief that never left") {
   psx_test::Watchdog dog("zmq dead peers", std::chrono::seconds(120));
   using namespace std::chrono_literals;
   auto declare = [](auto& ps) { ps.declare(psx::dense("w", {100}, psx::Initializer::constant(1.0f))); };
@@ -940,27 +940,55 @@ TEST_CASE("zmq: a server stops when the chief dies while others wait, when a wor
     server.join();
     CHECK(how == "returned");
   }
-  SUBCASE("the chief drove its worker by hand and never called leave(): its stop ends the server") {
-    // No peer timeout: the server waited for ever on a worker 0 that could
-    // send nothing more once its process had closed the cluster.
-    using Async = ZmqCluster<psx::partition::RowRange, psx::sync::Asynchronous, psx::optim::SGD>;
-    const psx::ClusterConfig untimed{1, 1};
+  SUBCASE("the chief drove its worker by hand and never called leave(): its stop lets worker 1 and the server go") {
+    // No peer timeout: worker 1's step waited for ever on a worker 0 that
+    // could send nothing more once its process had closed the cluster, and
+    // the server served for ever for both.
+    using Sync = ZmqCluster<psx::partition::RowRange, psx::sync::Synchronous, psx::optim::SGD>;
+    const psx::ClusterConfig untimed{1, 2};
     TempDir dir;
-    const ClusterSpec c = spec(1, 1, false, dir.path);
+    const ClusterSpec c = spec(1, 2, false, dir.path);
     std::atomic<bool> ended{false};
     std::string how;
-    std::thread server = serve<Async>(untimed, c, dir.path, declare, ended, how);
+    std::thread server = serve<Sync>(untimed, c, dir.path, declare, ended, how);
+    Sync other(untimed, {}, {}, {0.1f}, settings(c, "worker", 0, dir.path));
+    declare(other);
+    std::atomic<bool> trained{false};
+    std::string other_how = "running";
+    std::thread worker1([&] {
+      try {
+        other.run([](psx::Worker& wk) {
+          std::vector<float> v(100), g(100, 1.0f);
+          wk.push("w", g);
+          wk.step();
+          wk.pull("w", v);  // step 1 of both
+          wk.push("w", g);
+          wk.step();
+          wk.pull("w", v);  // waits for the chief's step 2, which never comes
+        });
+        other_how = "returned";
+      } catch (const std::exception& e) {
+        other_how = e.what();
+      }
+      trained = true;
+    });
     std::vector<float> v(100);
     {
-      Async chief(untimed, {}, {}, {0.1f}, settings(c, "chief", 0, dir.path));
+      Sync chief(untimed, {}, {}, {0.1f}, settings(c, "chief", 0, dir.path));
       declare(chief);
       psx::Worker w = chief.worker(0);
       w.push("w", std::vector<float>(100, 1.0f));
+      w.step();
       w.pull("w", v);
     }  // no leave(); the cluster's close sends the stop
-    CHECK(v[0] == doctest::Approx(0.9f));
+    CHECK(v[0] == doctest::Approx(0.9f));  // the mean of both step-0 gradients applied
     const auto stopped = std::chrono::steady_clock::now();
-    while (!ended && std::chrono::steady_clock::now() - stopped < 10s) std::this_thread::sleep_for(10ms);
+    while (!(trained && ended) && std::chrono::steady_clock::now() - stopped < 10s)
+      std::this_thread::sleep_for(10ms);
+    CHECK_MESSAGE(trained.load(), "worker 1 still waits 10 s after the chief's stop");
+    if (!trained) other.shutdown();  // a clean failure rather than the watchdog's abort
+    worker1.join();
+    CHECK(other_how == "returned");
     CHECK_MESSAGE(ended.load(), "the server still serves 10 s after the chief's stop");
     server.join();
     CHECK(how == "returned");

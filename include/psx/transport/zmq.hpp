@@ -893,15 +893,13 @@ class Zmq::link_type {
     // or (with a peer timeout) gone silent for it: after the stop nobody
     // waits on progress, so the server loses no silent worker itself, and
     // one that died would keep this process serving for ever. One that
-    // never spoke had start_timeout to appear. The chief's own worker
-    // (worker 0) is done with the stop, left or not: the stop comes from
-    // its process closing the cluster (one driven by hand, `ps.worker(0)`,
-    // that never called leave() kept every server serving for ever).
+    // never spoke had start_timeout to appear. (The stop made the chief's
+    // own worker leave, if it had not: on_message.)
     bool done_serving() const {
       const auto now = clock::now();
       const bool late = now - started_ > l_.settings_.start_timeout;
       const auto timeout = l_.ctx_.peer_timeout;
-      for (std::size_t w = 1; w < seen_.size(); ++w) {
+      for (std::size_t w = 0; w < seen_.size(); ++w) {
         if (!seen_[w]) {
           if (!late) return false;
           continue;
@@ -986,9 +984,20 @@ class Zmq::link_type {
         case ::psx::detail::wire::Kind::request:
           return on_request(std::move(msg));
         case ::psx::detail::wire::Kind::stop:
-          // Only from a process of this cluster (the word is its fingerprint).
+          // Only from a process of this cluster (the word is its fingerprint),
+          // and only the chief's sends it, when it closes the cluster
+          // (io_loop): its worker, worker 0, can send nothing more. One
+          // driven by hand (`ps.worker(0)`) that never called leave()
+          // leaves now, so that no step or barrier of the other workers
+          // waits on it and this server does not serve for ever for it.
           if (::psx::detail::wire::decode_signal(head, "stop") != l_.fingerprint_) return reject();
           stop_ = true;
+          if (h_.worker_state(0) == RequestHandler::WorkerState::active) {
+            Request leave;
+            leave.op = Op::leave;
+            leave.worker = 0;
+            h_.handle(std::move(leave));
+          }
           return;
         default:
           return reject();
