@@ -77,4 +77,5 @@ endif()
 
 if(NOT DEFINED PSX_BUILD_BENCHMARKS OR PSX_BUILD_BENCHMARKS)
   psx_cuda_executable(psx_bench_gpu ${CMAKE_CURRENT_LIST_DIR}/../benchmarks/gpu/bench_kernels.cu)
+  psx_cuda_executable(psx_bench_gpu_storage ${CMAKE_CURRENT_LIST_DIR}/../benchmarks/gpu/bench_storage.cu)
 endif()
