@@ -1,7 +1,8 @@
 //! @file psx/cuda/memory.cuh
 //! Device memory for the CUDA kernel layer: `psx::cuda::check`, which turns a
-//! CUDA error into `psx::error`, and `psx::cuda::buffer<T>`, an owning,
-//! move-only device array. Every kernel launcher in `psx/cuda/` checks its
+//! CUDA error into `psx::error`, `psx::cuda::buffer<T>`, an owning,
+//! move-only device array, and `psx::cuda::Staging`, which moves pageable
+//! host memory to and from the device through pinned chunks. Every kernel launcher in `psx/cuda/` checks its
 //! launch (`cudaGetLastError`) with `check`, so a bad launch throws at the
 //! call that made it; errors inside a running kernel surface at the next
 //! synchronizing call.
@@ -11,6 +12,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <limits>
 #include <span>
@@ -100,6 +102,145 @@ class buffer {
 
   T* data_ = nullptr;
   std::size_t size_ = 0;
+};
+
+//! Where a pointer points, as CUDA sees it.
+enum class MemoryKind {
+  pageable,  //!< ordinary host memory: the copy engines cannot read it directly
+  pinned,    //!< page-locked host memory (cudaMallocHost, cudaHostRegister)
+  device,    //!< device or managed memory
+};
+
+//! The kind of memory `p` points into (pageable where CUDA does not know it).
+inline MemoryKind memory_kind(const void* p) {
+  cudaPointerAttributes a{};
+  if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
+    (void)cudaGetLastError();  // plain host memory on old drivers
+    return MemoryKind::pageable;
+  }
+  if (a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged) return MemoryKind::device;
+  return a.type == cudaMemoryTypeHost ? MemoryKind::pinned : MemoryKind::pageable;
+}
+
+//! The address at which a kernel reads and writes the pinned host memory at
+//! `p` (over the bus), or nullptr when `p` is not pinned or not mapped.
+inline void* mapped_pointer(const void* p) {
+  cudaPointerAttributes a{};
+  if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return nullptr;
+  }
+  return a.type == cudaMemoryTypeHost ? a.devicePointer : nullptr;
+}
+
+//! Copies between pageable host memory and the device through two pinned
+//! chunks of `chunk_bytes`, so that the CPU fills (or empties) one chunk while
+//! a copy engine moves the other, and so that the CPU's copy can gather or
+//! scatter (rows by position, ids made local) on the way. Several threads,
+//! each with its own Staging, copy in parallel; the CUDA driver's own staging
+//! of a pageable `cudaMemcpy` does not (docs/gpu.md has the figures).
+//!
+//! A Staging belongs to one thread; the chunks are portable pinned memory,
+//! allocated at the first copy. Every call returns when the host side is done:
+//! an upload has handed each chunk to `stream` (the caller synchronizes the
+//! stream before freeing what the device reads), a download has written every
+//! item to the host.
+class Staging {
+ public:
+  static constexpr std::size_t chunk_bytes = std::size_t{4} << 20;
+
+  Staging() = default;
+  Staging(const Staging&) = delete;
+  Staging& operator=(const Staging&) = delete;
+  ~Staging() {
+    for (chunk& c : chunks_) {  // a destructor cannot report; these fail only on a broken context
+      if (c.done) {
+        cudaEventSynchronize(c.done);  // the copy engine may still read the chunk
+        cudaEventDestroy(c.done);
+      }
+      if (c.data) cudaFreeHost(c.data);
+    }
+  }
+
+  //! Uploads `count` items of `item_bytes` to `dst` (device memory) on
+  //! `stream`; `fill(begin, end, out)` writes items [begin, end) to `out`.
+  template <class Fill>
+  void upload(void* dst, std::size_t count, std::size_t item_bytes, cudaStream_t stream, Fill&& fill) {
+    const std::size_t per = items_per_chunk(item_bytes);
+    for (std::size_t begin = 0, k = 0; begin < count; begin += per, ++k) {
+      const std::size_t end = std::min(count, begin + per);
+      chunk& c = take(k);
+      fill(begin, end, c.data);
+      check(cudaMemcpyAsync(static_cast<unsigned char*>(dst) + begin * item_bytes, c.data, (end - begin) * item_bytes,
+                            cudaMemcpyHostToDevice, stream),
+            "psx::cuda::Staging: copy of a chunk to the device");
+      check(cudaEventRecord(c.done, stream), "psx::cuda::Staging: cudaEventRecord");
+    }
+  }
+
+  //! Downloads `count` items of `item_bytes` from `src` (device memory) on
+  //! `stream`; `drain(begin, end, in)` takes items [begin, end) from `in`.
+  template <class Drain>
+  void download(const void* src, std::size_t count, std::size_t item_bytes, cudaStream_t stream, Drain&& drain) {
+    const std::size_t per = items_per_chunk(item_bytes);
+    const std::size_t chunks = (count + per - 1) / per;
+    auto enqueue = [&](std::size_t k) {
+      chunk& c = take(k);
+      const std::size_t begin = k * per, end = std::min(count, begin + per);
+      check(cudaMemcpyAsync(c.data, static_cast<const unsigned char*>(src) + begin * item_bytes,
+                            (end - begin) * item_bytes, cudaMemcpyDeviceToHost, stream),
+            "psx::cuda::Staging: copy of a chunk from the device");
+      check(cudaEventRecord(c.done, stream), "psx::cuda::Staging: cudaEventRecord");
+    };
+    if (chunks > 0) enqueue(0);
+    for (std::size_t k = 0; k < chunks; ++k) {
+      if (k + 1 < chunks) enqueue(k + 1);
+      chunk& c = chunks_[k & 1];
+      check(cudaEventSynchronize(c.done), "psx::cuda::Staging: wait for a chunk from the device");
+      drain(k * per, std::min(count, (k + 1) * per), static_cast<const unsigned char*>(c.data));
+    }
+  }
+
+  //! The calling thread's Staging.
+  static Staging& of_this_thread() {
+    thread_local Staging staging;
+    return staging;
+  }
+
+ private:
+  struct chunk {
+    unsigned char* data = nullptr;
+    std::size_t bytes = 0;
+    cudaEvent_t done = nullptr;
+  };
+
+  // At least one item a chunk, however large.
+  std::size_t items_per_chunk(std::size_t item_bytes) {
+    const std::size_t per = item_bytes == 0 ? 1 : std::max<std::size_t>(1, chunk_bytes / item_bytes);
+    need_ = per * std::max<std::size_t>(item_bytes, 1);
+    return per;
+  }
+
+  // Chunk k % 2, once the copy engine is done with its last use, at least need_ bytes.
+  chunk& take(std::size_t k) {
+    chunk& c = chunks_[k & 1];
+    if (!c.done) check(cudaEventCreateWithFlags(&c.done, cudaEventDisableTiming), "psx::cuda::Staging: cudaEventCreate");
+    check(cudaEventSynchronize(c.done), "psx::cuda::Staging: wait for a chunk to be free");
+    if (c.bytes < need_) {
+      if (c.data) check(cudaFreeHost(c.data), "psx::cuda::Staging: cudaFreeHost");
+      c.data = nullptr;
+      c.bytes = 0;
+      void* p = nullptr;
+      check(cudaHostAlloc(&p, need_, cudaHostAllocPortable),
+            "psx::cuda::Staging: cudaHostAlloc of " + std::to_string(need_) + " bytes");
+      c.data = static_cast<unsigned char*>(p);
+      c.bytes = need_;
+    }
+    return c;
+  }
+
+  chunk chunks_[2];
+  std::size_t need_ = 0;
 };
 
 }  // namespace cuda

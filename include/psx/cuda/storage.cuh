@@ -12,7 +12,13 @@
 //! refused with psx::config_error). Compile with nvcc.
 //!
 //! Each shard owns a CUDA stream on the device current when the server was
-//! built; every operation is complete when its call returns. Delay
+//! built; every operation is complete when its call returns. Pageable host
+//! memory (gradients, pulls into host buffers, row gathers and scatters by
+//! position) moves through the serving thread's `psx::cuda::Staging`, two
+//! pinned chunks that the CPU fills while a copy engine moves the other;
+//! pinned and device memory are copied directly, and rows pushed from or
+//! pulled into pinned memory are gathered or scattered by a kernel that
+//! reads or writes it over the bus. Delay
 //! compensation (DC-ASGD) reads parameters on the host and is refused at
 //! start with this storage.
 #pragma once
@@ -21,6 +27,7 @@
 #include <psx/storage.hpp>
 
 #include <cstdint>
+#include <cstring>
 #include <span>
 #include <string>
 #include <type_traits>
@@ -51,6 +58,16 @@ __global__ void scatter_rows_kernel(const T* src, std::size_t width, const std::
     dst[std::size_t{positions[t / width]} * width + t % width] = src[t];
 }
 
+// dst[k, :] = src[positions[k], :]: rows of a caller's buffer (pinned host
+// memory, read over the bus) in push order.
+template <class T>
+__global__ void gather_positions_kernel(const T* src, std::size_t width, const std::uint32_t* positions, std::size_t n,
+                                        T* dst) {
+  const std::size_t total = n * width, stride = std::size_t{gridDim.x} * blockDim.x;
+  for (std::size_t t = std::size_t{blockIdx.x} * blockDim.x + threadIdx.x; t < total; t += stride)
+    dst[t] = src[std::size_t{positions[t / width]} * width + t % width];
+}
+
 // low[rows[k], :] = 16-bit(params[rows[k], :]) after a row update.
 template <bool Bf16>
 __global__ void low_rows_kernel(const float* params, std::size_t width, const std::uint64_t* rows, std::size_t n,
@@ -68,14 +85,7 @@ inline unsigned blocks_for(std::size_t work) {
   return static_cast<unsigned>(b < 4096 ? (b == 0 ? 1 : b) : 4096);
 }
 
-inline bool on_device(const void* p) {
-  cudaPointerAttributes a{};
-  if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
-    (void)cudaGetLastError();  // plain host memory on old drivers
-    return false;
-  }
-  return a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged;
-}
+inline bool on_device(const void* p) { return memory_kind(p) == MemoryKind::device; }
 
 }  // namespace detail
 
@@ -134,10 +144,8 @@ struct Device {
 
     //! Copies the parameters and the slots (slot-major) to host memory: a checkpoint save.
     void save_state(std::span<float> params, std::span<float> slots) const {
-      check(cudaMemcpyAsync(params.data(), params_.data(), n_ * sizeof(float), cudaMemcpyDeviceToHost, stream_),
-            "psx::cuda::Device: copy of the parameters for a checkpoint");
-      check(cudaMemcpyAsync(slots.data(), slots_.data(), slots_.bytes(), cudaMemcpyDeviceToHost, stream_),
-            "psx::cuda::Device: copy of the slots for a checkpoint");
+      to_host(params.data(), params_.data(), n_ * sizeof(float), "copy of the parameters for a checkpoint");
+      to_host(slots.data(), slots_.data(), slots_.bytes(), "copy of the slots for a checkpoint");
       finish("checkpoint save");
     }
     //! Replaces the parameters and the slots from host memory and refreshes
@@ -167,29 +175,34 @@ struct Device {
       }
       if (positions.empty()) {
         copy_out(out.data(), staged, n * width_ * sizeof(T));
-      } else if (detail::on_device(out.data())) {
-        positions_.resize_for(n);
-        check(cudaMemcpyAsync(positions_.data(), positions.data(), n * sizeof(std::uint32_t), cudaMemcpyHostToDevice,
-                              stream_),
-              "psx::cuda::Device: upload of row positions");
-        detail::scatter_rows_kernel<T>
-            <<<detail::blocks_for(n * width_), 256, 0, stream_>>>(staged, width_, positions_.data(), n, out.data());
-        detail::check_launch("psx::cuda::Device: scatter of pulled rows");
-        finish("pull_rows");
-      } else {
-        host_rows_.resize(n * width_ * sizeof(T));
-        copy_out(host_rows_.data(), staged, n * width_ * sizeof(T));
-        const T* src = reinterpret_cast<const T*>(host_rows_.data());
-        for (std::size_t j = 0; j < n; ++j)
-          std::memcpy(out.data() + std::size_t{positions[j]} * width_, src + j * width_, width_ * sizeof(T));
+        return;
       }
+      // Rows to their positions: by a kernel into device memory and into
+      // pinned host memory (written over the bus), else on the way through
+      // the thread's Staging.
+      T* direct = detail::on_device(out.data()) ? out.data() : static_cast<T*>(mapped_pointer(out.data()));
+      if (direct) {
+        positions_.resize_for(n);
+        to_device(positions_.data(), positions.data(), n * sizeof(std::uint32_t), "upload of row positions");
+        detail::scatter_rows_kernel<T>
+            <<<detail::blocks_for(n * width_), 256, 0, stream_>>>(staged, width_, positions_.data(), n, direct);
+        detail::check_launch("psx::cuda::Device: scatter of pulled rows");
+      } else {
+        const std::size_t row_bytes = width_ * sizeof(T);
+        Staging::of_this_thread().download(staged, n, row_bytes, stream_,
+                                           [&](std::size_t begin, std::size_t end, const unsigned char* in) {
+                                             for (std::size_t j = begin; j < end; ++j, in += row_bytes)
+                                               std::memcpy(out.data() + std::size_t{positions[j]} * width_, in,
+                                                           row_bytes);
+                                           });
+      }
+      finish("pull_rows");
     }
 
     //! Applies a gradient for the whole shard (host or device memory).
     void apply(const O& optimizer, std::span<const float> g, const UpdateContext& ctx) {
       grads_.resize_for(n_);
-      check(cudaMemcpyAsync(grads_.data(), g.data(), n_ * sizeof(float), cudaMemcpyDefault, stream_),
-            "psx::cuda::Device: upload of a gradient");
+      to_device(grads_.data(), g.data(), n_ * sizeof(float), "upload of a gradient");
       update(optimizer, params_.data(), grads_.data(), slots_view_, n_, ctx, stream_);
       if (!low_.empty()) refresh_low();
       finish("push");
@@ -201,12 +214,8 @@ struct Device {
       if (n == 0) return;
       rows_.resize_for(n);
       grads_.resize_for(n * width_);
-      check(cudaMemcpyAsync(rows_.data(), rows.rows().data(), n * sizeof(std::uint64_t), cudaMemcpyHostToDevice,
-                            stream_),
-            "psx::cuda::Device: upload of row ids");
-      check(cudaMemcpyAsync(grads_.data(), rows.data().data(), n * width_ * sizeof(float), cudaMemcpyHostToDevice,
-                            stream_),
-            "psx::cuda::Device: upload of gradient rows");
+      to_device(rows_.data(), rows.rows().data(), n * sizeof(std::uint64_t), "upload of row ids");
+      to_device(grads_.data(), rows.data().data(), n * width_ * sizeof(float), "upload of gradient rows");
       update_rows(optimizer, params_.data(), slots_view_, width_, rows_.data(), grads_.data(), n, ctx, stream_);
       if (!low_.empty()) refresh_low_rows(rows_.data(), n);
       finish("push_rows");
@@ -223,16 +232,23 @@ struct Device {
       upload_rows(ids, first_row);
       grads_.resize_for(n * width_);
       if (positions.empty()) {
-        check(cudaMemcpyAsync(grads_.data(), grads.data(), n * width_ * sizeof(float), cudaMemcpyDefault, stream_),
-              "psx::cuda::Device: upload of gradient rows");
+        to_device(grads_.data(), grads.data(), n * width_ * sizeof(float), "upload of gradient rows");
+      } else if (const float* mapped = static_cast<const float*>(mapped_pointer(grads.data()))) {
+        // Pinned host memory: the rows of this shard read over the bus, in push order.
+        positions_.resize_for(n);
+        to_device(positions_.data(), positions.data(), n * sizeof(std::uint32_t), "upload of row positions");
+        detail::gather_positions_kernel<float>
+            <<<detail::blocks_for(n * width_), 256, 0, stream_>>>(mapped, width_, positions_.data(), n, grads_.data());
+        detail::check_launch("psx::cuda::Device: gather of pushed rows");
       } else {
-        // Rows of this shard, in push order, from the caller's buffer.
-        host_rows_.resize(n * width_ * sizeof(float));
-        float* dst = reinterpret_cast<float*>(host_rows_.data());
-        for (std::size_t j = 0; j < n; ++j)
-          std::memcpy(dst + j * width_, grads.data() + std::size_t{positions[j]} * width_, width_ * sizeof(float));
-        check(cudaMemcpyAsync(grads_.data(), dst, n * width_ * sizeof(float), cudaMemcpyHostToDevice, stream_),
-              "psx::cuda::Device: upload of gradient rows");
+        // Rows of this shard, in push order, gathered from the caller's buffer on the way.
+        const std::size_t row_bytes = width_ * sizeof(float);
+        Staging::of_this_thread().upload(grads_.data(), n, row_bytes, stream_,
+                                         [&](std::size_t begin, std::size_t end, unsigned char* out) {
+                                           for (std::size_t j = begin; j < end; ++j, out += row_bytes)
+                                             std::memcpy(out, grads.data() + std::size_t{positions[j]} * width_,
+                                                         row_bytes);
+                                         });
       }
       const std::size_t unique = dedup_.run(rows_.data(), grads_.data(), n, width_, stream_);
       update_rows(optimizer, params_.data(), slots_view_, width_, dedup_.unique_ids(), dedup_.sums(), unique, ctx,
@@ -264,25 +280,51 @@ struct Device {
       T* data() noexcept { return b.data(); }
     };
 
+    // `bytes` from host memory (pageable ones through the thread's Staging)
+    // or device memory to the device, on the shard's stream.
+    void to_device(void* dst, const void* src, std::size_t bytes, const char* what) const {
+      if (bytes == 0) return;
+      if (memory_kind(src) == MemoryKind::pageable) {
+        Staging::of_this_thread().upload(dst, bytes, 1, stream_,
+                                         [&](std::size_t begin, std::size_t end, unsigned char* out) {
+                                           std::memcpy(out, static_cast<const unsigned char*>(src) + begin, end - begin);
+                                         });
+      } else {
+        check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream_), std::string("psx::cuda::Device: ") + what);
+      }
+    }
+    // `bytes` from the device to host or device memory, on the shard's
+    // stream; pageable memory is written when this returns.
+    void to_host(void* dst, const void* src, std::size_t bytes, const char* what) const {
+      if (bytes == 0) return;
+      if (memory_kind(dst) == MemoryKind::pageable) {
+        Staging::of_this_thread().download(src, bytes, 1, stream_,
+                                           [&](std::size_t begin, std::size_t end, const unsigned char* in) {
+                                             std::memcpy(static_cast<unsigned char*>(dst) + begin, in, end - begin);
+                                           });
+      } else {
+        check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream_), std::string("psx::cuda::Device: ") + what);
+      }
+    }
     void upload(float* dst, const float* src, std::size_t n) {
-      check(cudaMemcpyAsync(dst, src, n * sizeof(float), cudaMemcpyHostToDevice, stream_),
-            "psx::cuda::Device: upload");
+      to_device(dst, src, n * sizeof(float), "upload");
       finish("upload");
     }
+    // The shard's row numbers of `ids` (global ids of this shard), made local on the way.
     void upload_rows(std::span<const std::uint64_t> ids, std::size_t first_row) const {
-      local_.resize(ids.size());
-      for (std::size_t j = 0; j < ids.size(); ++j) local_[j] = ids[j] - first_row;
       rows_.resize_for(ids.size());
-      check(cudaMemcpyAsync(rows_.data(), local_.data(), ids.size() * sizeof(std::uint64_t), cudaMemcpyHostToDevice,
-                            stream_),
-            "psx::cuda::Device: upload of row ids");
+      Staging::of_this_thread().upload(rows_.data(), ids.size(), sizeof(std::uint64_t), stream_,
+                                       [&](std::size_t begin, std::size_t end, unsigned char* out) {
+                                         std::uint64_t* local = reinterpret_cast<std::uint64_t*>(out);
+                                         for (std::size_t j = begin; j < end; ++j) *local++ = ids[j] - first_row;
+                                       });
     }
     void* stage(std::size_t bytes) const {
       stage_.resize_for(bytes);
       return stage_.data();
     }
     void copy_out(void* dst, const void* src, std::size_t bytes) const {
-      check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream_), "psx::cuda::Device: copy of a pull");
+      to_host(dst, src, bytes, "copy of a pull");
       finish("pull");
     }
     void refresh_low() {
@@ -316,8 +358,6 @@ struct Device {
     mutable scratch<std::uint32_t> positions_;
     mutable scratch<float> grads_;
     mutable scratch<unsigned char> stage_;
-    mutable std::vector<std::uint64_t> local_;
-    mutable std::vector<unsigned char> host_rows_;
     RowDedup dedup_;
   };
 };
