@@ -197,14 +197,17 @@ TEST_CASE("cuda::Staging moves pageable memory in chunks and never splits an ite
 
     std::vector<unsigned char> down(host.size(), 0);
     next = 0;
+    calls = 0;
     staging.download(dev.data(), count, item_bytes, stream,
                      [&](std::size_t begin, std::size_t end, const unsigned char* in) {
                        whole = whole && begin == next && end > begin;
                        next = end;
+                       ++calls;
                        std::memcpy(down.data() + begin * item_bytes, in, (end - begin) * item_bytes);
                      });
     CHECK(whole);
     CHECK(next == count);
+    CHECK(calls == (count + per - 1) / per);
     CHECK(down == host);
   };
   check_items(0, 8);
@@ -230,10 +233,13 @@ struct PinnedCopy {
 };
 
 TEST_CASE("cuda::Device moves tensors larger than a staging chunk, from and to pageable, pinned and device memory") {
-  // 3M parameters (12 MB: three chunks) and 40000 rows of 64 (10 MB a push),
-  // spread over 3 servers, so that each server's rows come with positions;
-  // the same steps on host storage must give the same bits.
-  constexpr std::size_t n = 3'000'001, rows = 50'000, width = 64, count = 40'000;
+  // 9M parameters and pushes of 120000 rows of 64 over 3 servers: each
+  // server's part of a dense transfer (12 MB) and of a row transfer (about
+  // 40000 rows, 10 MB, with positions) spans three staging chunks. The same
+  // steps on host storage must give the same bits.
+  constexpr std::size_t n = 9'000'001, rows = 150'000, width = 64, count = 120'000;
+  static_assert(n / 3 * sizeof(float) > 2 * psx::cuda::Staging::chunk_bytes);
+  static_assert(count / 3 * width * sizeof(float) > 2 * psx::cuda::Staging::chunk_bytes);
   Splitmix64 rng{11};
   std::vector<float> g(n);
   for (float& x : g) x = rng.uniform() - 0.5f;
@@ -292,6 +298,13 @@ TEST_CASE("cuda::Device moves tensors larger than a staging chunk, from and to p
 
   // Pushes from pinned memory: dense copied directly, rows gathered by a kernel over the bus.
   const PinnedCopy pg(g), prg(rg);
+  CHECK(psx::cuda::memory_kind(prg.p) == psx::cuda::MemoryKind::pinned);
+  CHECK(psx::cuda::memory_kind(prg.p + 12345) == psx::cuda::MemoryKind::pinned);
+  CHECK(psx::cuda::memory_kind(rg.data()) == psx::cuda::MemoryKind::pageable);
+  CHECK(psx::cuda::mapped_pointer(prg.p) != nullptr);  // else the kernels' path is not the one tested
+  CHECK(psx::cuda::mapped_pointer(prg.p + 12345) ==
+        static_cast<unsigned char*>(psx::cuda::mapped_pointer(prg.p)) + 12345 * sizeof(float));
+  CHECK(psx::cuda::mapped_pointer(rg.data()) == nullptr);
   const auto from_pinned = train(psx::cuda::Device{}, pg.span(), prg.span(), [](psx::Worker&) {});
   CHECK(from_pinned.first == host.first);
   CHECK(from_pinned.second == host.second);

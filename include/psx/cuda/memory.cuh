@@ -141,10 +141,13 @@ inline void* mapped_pointer(const void* p) {
 //! of a pageable `cudaMemcpy` does not (docs/gpu.md has the figures).
 //!
 //! A Staging belongs to one thread; the chunks are portable pinned memory,
-//! allocated at the first copy. Every call returns when the host side is done:
-//! an upload has handed each chunk to `stream` (the caller synchronizes the
-//! stream before freeing what the device reads), a download has written every
-//! item to the host.
+//! allocated at the first copy and grown for items larger than a chunk; the
+//! events that tell when a chunk is free are made on the current device and
+//! made again when a copy comes from another one. Every call returns when
+//! the host side is done: an upload has handed each chunk to `stream`, a
+//! download has written every item to the host. The two chunks take turns
+//! across calls, so that one call's fill need not wait for the last call's
+//! copy.
 class Staging {
  public:
   static constexpr std::size_t chunk_bytes = std::size_t{4} << 20;
@@ -167,9 +170,9 @@ class Staging {
   template <class Fill>
   void upload(void* dst, std::size_t count, std::size_t item_bytes, cudaStream_t stream, Fill&& fill) {
     const std::size_t per = items_per_chunk(item_bytes);
-    for (std::size_t begin = 0, k = 0; begin < count; begin += per, ++k) {
+    for (std::size_t begin = 0; begin < count; begin += per) {
       const std::size_t end = std::min(count, begin + per);
-      chunk& c = take(k);
+      chunk& c = take(turn_++);
       fill(begin, end, c.data);
       check(cudaMemcpyAsync(static_cast<unsigned char*>(dst) + begin * item_bytes, c.data, (end - begin) * item_bytes,
                             cudaMemcpyHostToDevice, stream),
@@ -184,8 +187,10 @@ class Staging {
   void download(const void* src, std::size_t count, std::size_t item_bytes, cudaStream_t stream, Drain&& drain) {
     const std::size_t per = items_per_chunk(item_bytes);
     const std::size_t chunks = (count + per - 1) / per;
+    const std::size_t first = turn_;
+    turn_ += chunks;
     auto enqueue = [&](std::size_t k) {
-      chunk& c = take(k);
+      chunk& c = take(first + k);
       const std::size_t begin = k * per, end = std::min(count, begin + per);
       check(cudaMemcpyAsync(c.data, static_cast<const unsigned char*>(src) + begin * item_bytes,
                             (end - begin) * item_bytes, cudaMemcpyDeviceToHost, stream),
@@ -195,7 +200,7 @@ class Staging {
     if (chunks > 0) enqueue(0);
     for (std::size_t k = 0; k < chunks; ++k) {
       if (k + 1 < chunks) enqueue(k + 1);
-      chunk& c = chunks_[k & 1];
+      chunk& c = chunks_[(first + k) & 1];
       check(cudaEventSynchronize(c.done), "psx::cuda::Staging: wait for a chunk from the device");
       drain(k * per, std::min(count, (k + 1) * per), static_cast<const unsigned char*>(c.data));
     }
@@ -212,6 +217,7 @@ class Staging {
     unsigned char* data = nullptr;
     std::size_t bytes = 0;
     cudaEvent_t done = nullptr;
+    int device = -1;  // where `done` was made
   };
 
   // At least one item a chunk, however large.
@@ -221,10 +227,21 @@ class Staging {
     return per;
   }
 
-  // Chunk k % 2, once the copy engine is done with its last use, at least need_ bytes.
+  // Chunk k % 2, once the copy engine is done with its last use, at least
+  // need_ bytes, with an event of the current device.
   chunk& take(std::size_t k) {
     chunk& c = chunks_[k & 1];
-    if (!c.done) check(cudaEventCreateWithFlags(&c.done, cudaEventDisableTiming), "psx::cuda::Staging: cudaEventCreate");
+    int device = 0;
+    check(cudaGetDevice(&device), "psx::cuda::Staging: cudaGetDevice");
+    if (c.done && c.device != device) {  // an event records only on its own device's streams
+      check(cudaEventSynchronize(c.done), "psx::cuda::Staging: wait for a chunk to be free");
+      check(cudaEventDestroy(c.done), "psx::cuda::Staging: cudaEventDestroy");
+      c.done = nullptr;
+    }
+    if (!c.done) {
+      check(cudaEventCreateWithFlags(&c.done, cudaEventDisableTiming), "psx::cuda::Staging: cudaEventCreate");
+      c.device = device;
+    }
     check(cudaEventSynchronize(c.done), "psx::cuda::Staging: wait for a chunk to be free");
     if (c.bytes < need_) {
       if (c.data) check(cudaFreeHost(c.data), "psx::cuda::Staging: cudaFreeHost");
@@ -241,6 +258,7 @@ class Staging {
 
   chunk chunks_[2];
   std::size_t need_ = 0;
+  std::size_t turn_ = 0;  // the chunk the next copy takes (modulo 2)
 };
 
 }  // namespace cuda

@@ -12,7 +12,9 @@
 //! refused with psx::config_error). Compile with nvcc.
 //!
 //! Each shard owns a CUDA stream on the device current when the server was
-//! built; every operation is complete when its call returns. Pageable host
+//! started (the thread that calls `start()`); every operation makes that
+//! device current while it runs, and is complete when its call returns, also
+//! when it throws. Pageable host
 //! memory (gradients, pulls into host buffers, row gathers and scatters by
 //! position) moves through the serving thread's `psx::cuda::Staging`, two
 //! pinned chunks that the CPU fills while a copy engine moves the other;
@@ -28,6 +30,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <exception>
 #include <span>
 #include <string>
 #include <type_traits>
@@ -137,13 +140,18 @@ struct Device {
     std::size_t slot_bytes() const noexcept { return slots_.bytes(); }
 
     //! Copies the shard into `out` (host or device memory).
-    void read(std::span<float> out) const { copy_out(out.data(), params_.data(), n_ * sizeof(float)); }
+    void read(std::span<float> out) const {
+      const op_guard guard(*this);
+      copy_out(out.data(), params_.data(), n_ * sizeof(float));
+    }
     void read(std::span<std::uint16_t> out) const {
+      const op_guard guard(*this);
       copy_out(out.data(), low_.data(), n_ * sizeof(std::uint16_t));
     }
 
     //! Copies the parameters and the slots (slot-major) to host memory: a checkpoint save.
     void save_state(std::span<float> params, std::span<float> slots) const {
+      const op_guard guard(*this);
       to_host(params.data(), params_.data(), n_ * sizeof(float), "copy of the parameters for a checkpoint");
       to_host(slots.data(), slots_.data(), slots_.bytes(), "copy of the slots for a checkpoint");
       finish("checkpoint save");
@@ -151,6 +159,7 @@ struct Device {
     //! Replaces the parameters and the slots from host memory and refreshes
     //! the 16-bit copy: a checkpoint restore.
     void assign(std::span<const float> params, std::span<const float> slots) {
+      const op_guard guard(*this);
       upload(params_.data(), params.data(), n_);
       if (!slots.empty()) upload(slots_.data(), slots.data(), slots.size());
       if (!low_.empty()) refresh_low();
@@ -162,6 +171,7 @@ struct Device {
     template <class T>
     void read_rows(std::span<const std::uint64_t> ids, std::size_t first_row, std::span<const std::uint32_t> positions,
                    std::span<T> out) const {
+      const op_guard guard(*this);
       const std::size_t n = ids.size();
       if (n == 0) return;
       upload_rows(ids, first_row);
@@ -201,6 +211,7 @@ struct Device {
 
     //! Applies a gradient for the whole shard (host or device memory).
     void apply(const O& optimizer, std::span<const float> g, const UpdateContext& ctx) {
+      const op_guard guard(*this);
       grads_.resize_for(n_);
       to_device(grads_.data(), g.data(), n_ * sizeof(float), "upload of a gradient");
       update(optimizer, params_.data(), grads_.data(), slots_view_, n_, ctx, stream_);
@@ -210,6 +221,7 @@ struct Device {
 
     //! Applies summed gradient rows (summed on the host by the server).
     void apply_rows(const O& optimizer, const psx::detail::RowAccumulator& rows, const UpdateContext& ctx) {
+      const op_guard guard(*this);
       const std::size_t n = rows.rows().size();
       if (n == 0) return;
       rows_.resize_for(n);
@@ -227,6 +239,7 @@ struct Device {
     void apply_raw_rows(const O& optimizer, std::span<const std::uint64_t> ids, std::size_t first_row,
                         std::span<const std::uint32_t> positions, std::span<const float> grads,
                         const UpdateContext& ctx) {
+      const op_guard guard(*this);
       const std::size_t n = ids.size();
       if (n == 0) return;
       upload_rows(ids, first_row);
@@ -258,6 +271,37 @@ struct Device {
     }
 
    private:
+    // Around every operation but the constructor (which runs on the device it
+    // takes): the shard's device current on this thread (a server thread
+    // starts on device 0) and the caller's current device back afterwards;
+    // and when the operation throws, the shard's stream synchronized, so that
+    // no copy or kernel still reads or writes a caller's buffer once the call
+    // has ended.
+    class op_guard {
+     public:
+      explicit op_guard(const shard& s) : s_(s), unwinding_(std::uncaught_exceptions()) {
+        check(cudaGetDevice(&caller_device_), "psx::cuda::Device: cudaGetDevice");
+        if (caller_device_ != s.device_) check(cudaSetDevice(s.device_), "psx::cuda::Device: cudaSetDevice");
+      }
+      ~op_guard() {
+        if (std::uncaught_exceptions() > unwinding_) (void)cudaStreamSynchronize(s_.stream_);
+        if (caller_device_ != s_.device_) (void)cudaSetDevice(caller_device_);
+      }
+      op_guard(const op_guard&) = delete;
+      op_guard& operator=(const op_guard&) = delete;
+
+     private:
+      const shard& s_;
+      int unwinding_;
+      int caller_device_ = 0;
+    };
+
+    static int current_device() {
+      int device = 0;
+      check(cudaGetDevice(&device), "psx::cuda::Device: cudaGetDevice");
+      return device;
+    }
+
     // The shard's stream, destroyed with the shard (also when its
     // constructor throws after creating it).
     struct owned_stream {
@@ -347,6 +391,7 @@ struct Device {
     DType dtype_;
     std::size_t width_;
     std::size_t n_;
+    int device_ = current_device();  // current when the shard was made: its stream's and its memory's
     owned_stream owned_stream_;
     cudaStream_t stream_ = owned_stream_.s;
     buffer<float> params_;
