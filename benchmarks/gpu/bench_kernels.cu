@@ -10,12 +10,12 @@
 //
 // Usage: psx_bench_gpu [--quick]   (--quick: small sizes, to check it runs)
 #include "../zipf.hpp"
+#include "common.hpp"
 
 #include <psx/cuda/kernels.cuh>
 #include <psx/optim.hpp>
 
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -52,10 +52,8 @@ void report(const std::string& name, double ms, double bytes, const std::string&
   std::fflush(stdout);
 }
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
-}
+using psx_bench::median;
+using psx_bench::wall_ms;
 
 // Median of `reps` timings (CUDA events on the default stream) after `warmup` runs.
 template <class F>
@@ -77,19 +75,6 @@ double time_ms(F&& f, int reps = 20, int warmup = 3) {
   }
   cudaEventDestroy(start);
   cudaEventDestroy(stop);
-  return median(t);
-}
-
-// Median wall-clock time of `reps` runs after `warmup` (for paths that sync or run on the CPU).
-template <class F>
-double wall_ms(F&& f, int reps, int warmup) {
-  for (int i = 0; i < warmup; ++i) f();
-  std::vector<double> t;
-  for (int i = 0; i < reps; ++i) {
-    const auto t0 = std::chrono::steady_clock::now();
-    f();
-    t.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
-  }
   return median(t);
 }
 
@@ -290,15 +275,7 @@ void bench_sparse(std::size_t table_rows, std::size_t width, std::size_t count) 
 
 int main(int argc, char** argv) {
   const bool quick = argc > 1 && std::strcmp(argv[1], "--quick") == 0;
-  int devices = 0;
-  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
-    std::printf("psx_bench_gpu: no CUDA device\n");
-    return 77;
-  }
-  cudaDeviceProp prop{};
-  pc::check(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
-  std::printf("psx_bench_gpu on %s (sm_%d%d, %d SMs, %.0f GiB)%s\n\n", prop.name, prop.major, prop.minor,
-              prop.multiProcessorCount, static_cast<double>(prop.totalGlobalMem) / (1 << 30), quick ? ", quick" : "");
+  if (const int rc = psx_bench::open_device("psx_bench_gpu", quick)) return rc;
   try {
     const std::size_t dense = quick ? (std::size_t{1} << 22) : (std::size_t{64} << 20);  // 256 MiB of floats
     bench_copy(quick ? (std::size_t{64} << 20) : (std::size_t{1} << 30));

@@ -19,15 +19,16 @@
 //
 // Usage: psx_bench_gpu_storage [--quick]   (--quick: small sizes, to check it runs)
 #include "../zipf.hpp"
+#include "common.hpp"
 
 #include <psx/cuda/storage.cuh>
 #include <psx/psx.hpp>
 
 #include <algorithm>
-#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <exception>
 #include <random>
 #include <span>
 #include <string>
@@ -37,23 +38,7 @@ namespace {
 
 namespace pc = psx::cuda;
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
-}
-
-// Median wall-clock milliseconds of `reps` runs after `warmup`.
-template <class F>
-double wall_ms(F&& f, int reps, int warmup) {
-  for (int i = 0; i < warmup; ++i) f();
-  std::vector<double> t;
-  for (int i = 0; i < reps; ++i) {
-    const auto t0 = std::chrono::steady_clock::now();
-    f();
-    t.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
-  }
-  return median(t);
-}
+using psx_bench::wall_ms;
 
 // Page-locked host memory (cudaMallocHost), which the GPU's copy engines
 // read and write directly.
@@ -239,18 +224,15 @@ void bench_sparse(std::size_t rows, std::size_t width, std::size_t count, const 
 
 int main(int argc, char** argv) {
   const bool quick = argc > 1 && std::strcmp(argv[1], "--quick") == 0;
-  int devices = 0;
-  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
-    std::printf("psx_bench_gpu_storage: no CUDA device\n");
-    return 77;
+  if (const int rc = psx_bench::open_device("psx_bench_gpu_storage", quick)) return rc;
+  try {
+    const std::size_t dense = quick ? (1u << 20) : (64u << 20);
+    const Floors f = measure_copies(dense * 4);
+    bench_dense(dense, f, quick ? 3 : 10);
+    bench_sparse(quick ? 100000 : 4000000, 64, quick ? 10000 : 1000000, f, quick ? 3 : 10);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "psx_bench_gpu_storage: %s\n", e.what());
+    return 1;
   }
-  cudaDeviceProp prop{};
-  pc::check(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
-  std::printf("psx_bench_gpu_storage on %s (sm_%d%d, %d SMs)%s\n\n", prop.name, prop.major, prop.minor,
-              prop.multiProcessorCount, quick ? ", --quick" : "");
-  const std::size_t dense = quick ? (1u << 20) : (64u << 20);
-  const Floors f = measure_copies(dense * 4);
-  bench_dense(dense, f, quick ? 3 : 10);
-  bench_sparse(quick ? 100000 : 4000000, 64, quick ? 10000 : 1000000, f, quick ? 3 : 10);
   return 0;
 }
