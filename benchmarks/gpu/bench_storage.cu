@@ -40,24 +40,6 @@ namespace pc = psx::cuda;
 
 using psx_bench::wall_ms;
 
-// Page-locked host memory (cudaMallocHost), which the GPU's copy engines
-// read and write directly.
-template <class T>
-class pinned {
- public:
-  explicit pinned(std::size_t n) : n_(n) {
-    pc::check(cudaMallocHost(reinterpret_cast<void**>(&p_), n * sizeof(T)), "cudaMallocHost");
-  }
-  ~pinned() { cudaFreeHost(p_); }
-  pinned(const pinned&) = delete;
-  pinned& operator=(const pinned&) = delete;
-  std::span<T> span() noexcept { return {p_, n_}; }
-
- private:
-  T* p_ = nullptr;
-  std::size_t n_;
-};
-
 struct Floors {
   double h2d_pageable, d2h_pageable, h2d_pinned, d2h_pinned;  // GB/s
   double memcpy_host;                                         // GB/s, read + written, one thread
@@ -66,9 +48,9 @@ struct Floors {
 Floors measure_copies(std::size_t bytes) {
   Floors f{};
   std::vector<unsigned char> host(bytes, 1), back(bytes, 0);
-  pinned<unsigned char> ph(bytes), pb(bytes);
-  std::memset(ph.span().data(), 1, bytes);
-  std::memset(pb.span().data(), 0, bytes);
+  pc::pinned_buffer<unsigned char> ph(bytes), pb(bytes);
+  std::memset(ph.data(), 1, bytes);
+  std::memset(pb.data(), 0, bytes);
   pc::buffer<unsigned char> dev(bytes);
   auto rate = [&](void* dst, const void* src, cudaMemcpyKind kind) {
     const double ms = wall_ms([&] { pc::check(cudaMemcpy(dst, src, bytes, kind), "cudaMemcpy"); }, 10, 2);
@@ -76,8 +58,8 @@ Floors measure_copies(std::size_t bytes) {
   };
   f.h2d_pageable = rate(dev.data(), host.data(), cudaMemcpyHostToDevice);
   f.d2h_pageable = rate(back.data(), dev.data(), cudaMemcpyDeviceToHost);
-  f.h2d_pinned = rate(dev.data(), ph.span().data(), cudaMemcpyHostToDevice);
-  f.d2h_pinned = rate(pb.span().data(), dev.data(), cudaMemcpyDeviceToHost);
+  f.h2d_pinned = rate(dev.data(), ph.data(), cudaMemcpyHostToDevice);
+  f.d2h_pinned = rate(pb.data(), dev.data(), cudaMemcpyDeviceToHost);
   const double ms = wall_ms([&] { std::memcpy(back.data(), host.data(), bytes); }, 10, 2);
   f.memcpy_host = 2.0 * static_cast<double>(bytes) / (ms * 1e-3) / 1e9;
   std::printf("host -> device, pageable  %8.1f GB/s   device -> host, pageable  %8.1f GB/s   (the driver's staging)\n", f.h2d_pageable,
@@ -130,7 +112,7 @@ void bench_dense(std::size_t n, const Floors& f, int reps) {
   std::uniform_real_distribution<float> d(-1.0f, 1.0f);
   std::vector<float> g(n), out(n);
   for (float& x : g) x = d(rng);
-  pinned<float> pg(n), pout(n);
+  pc::pinned_buffer<float> pg(n), pout(n);
   std::copy(g.begin(), g.end(), pg.span().begin());
   pc::buffer<float> dout(n);
 
@@ -205,7 +187,7 @@ void bench_sparse(std::size_t rows, std::size_t width, std::size_t count, const 
          "rows deduplicated (CUB) and gathered on the device");
   report("  push alone", device.push, push_floor, "floor: rows + ids H2D at the pinned rate");
   report("  pull alone", device.pull, pull_floor, "floor: ids H2D + rows D2H at the pinned rates");
-  pinned<float> pg(count * width), pout(count * width);
+  pc::pinned_buffer<float> pg(count * width), pout(count * width);
   std::copy(g.begin(), g.end(), pg.span().begin());
   const SparseTimes pin = sparse_steps<pc::Device>(rows, width, ids, pg.span(), pout.span(), reps);
   report("cuda::Device, pinned: push + pull", pin.step, push_floor + pull_floor,

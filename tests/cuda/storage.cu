@@ -218,19 +218,12 @@ TEST_CASE("cuda::Staging moves pageable memory in chunks and never splits an ite
   cudaStreamDestroy(stream);
 }
 
-// Page-locked host memory holding a copy of `v`.
-struct PinnedCopy {
-  float* p = nullptr;
-  std::size_t n;
-  explicit PinnedCopy(const std::vector<float>& v) : n(v.size()) {
-    psx::cuda::check(cudaMallocHost(reinterpret_cast<void**>(&p), n * sizeof(float)), "cudaMallocHost");
-    std::copy(v.begin(), v.end(), p);
-  }
-  ~PinnedCopy() { cudaFreeHost(p); }
-  PinnedCopy(const PinnedCopy&) = delete;
-  PinnedCopy& operator=(const PinnedCopy&) = delete;
-  std::span<float> span() const { return {p, n}; }
-};
+// Pinned host memory holding a copy of `v`.
+psx::cuda::pinned_buffer<float> pinned_copy(const std::vector<float>& v) {
+  psx::cuda::pinned_buffer<float> p(v.size());
+  std::copy(v.begin(), v.end(), p.data());
+  return p;
+}
 
 TEST_CASE("cuda::Device moves tensors larger than a staging chunk, from and to pageable, pinned and device memory") {
   // 9M parameters and pushes of 120000 rows of 64 over 3 servers: each
@@ -281,11 +274,12 @@ TEST_CASE("cuda::Device moves tensors larger than a staging chunk, from and to p
     w.pull_rows("e", ids, pulled);
     CHECK(rows_match(pulled.data()));
 
-    const PinnedCopy pinned_dense(std::vector<float>(n, 0.0f)), pinned_rows(std::vector<float>(count * width, 0.0f));
+    psx::cuda::pinned_buffer<float> pinned_dense = pinned_copy(std::vector<float>(n, 0.0f)),
+                                    pinned_rows = pinned_copy(std::vector<float>(count * width, 0.0f));
     w.pull("w", pinned_dense.span());
-    CHECK(std::equal(pinned_dense.p, pinned_dense.p + n, host.first.begin()));
+    CHECK(std::equal(pinned_dense.data(), pinned_dense.data() + n, host.first.begin()));
     w.pull_rows("e", ids, pinned_rows.span());  // scattered by a kernel over the bus
-    CHECK(rows_match(pinned_rows.p));
+    CHECK(rows_match(pinned_rows.data()));
 
     psx::cuda::buffer<float> on_device(n);
     w.pull("w", std::span<float>(on_device.data(), n));
@@ -297,13 +291,14 @@ TEST_CASE("cuda::Device moves tensors larger than a staging chunk, from and to p
   CHECK(device.second == host.second);
 
   // Pushes from pinned memory: dense copied directly, rows gathered by a kernel over the bus.
-  const PinnedCopy pg(g), prg(rg);
-  CHECK(psx::cuda::memory_kind(prg.p) == psx::cuda::MemoryKind::pinned);
-  CHECK(psx::cuda::memory_kind(prg.p + 12345) == psx::cuda::MemoryKind::pinned);
+  const psx::cuda::pinned_buffer<float> pg = pinned_copy(g), prg = pinned_copy(rg);
+  const float* p = prg.data();
+  CHECK(psx::cuda::memory_kind(p) == psx::cuda::MemoryKind::pinned);
+  CHECK(psx::cuda::memory_kind(p + 12345) == psx::cuda::MemoryKind::pinned);
   CHECK(psx::cuda::memory_kind(rg.data()) == psx::cuda::MemoryKind::pageable);
-  CHECK(psx::cuda::mapped_pointer(prg.p) != nullptr);  // else the kernels' path is not the one tested
-  CHECK(psx::cuda::mapped_pointer(prg.p + 12345) ==
-        static_cast<unsigned char*>(psx::cuda::mapped_pointer(prg.p)) + 12345 * sizeof(float));
+  CHECK(psx::cuda::mapped_pointer(p) != nullptr);  // else the kernels' path is not the one tested
+  CHECK(psx::cuda::mapped_pointer(p + 12345) ==
+        static_cast<unsigned char*>(psx::cuda::mapped_pointer(p)) + 12345 * sizeof(float));
   CHECK(psx::cuda::mapped_pointer(rg.data()) == nullptr);
   const auto from_pinned = train(psx::cuda::Device{}, pg.span(), prg.span(), [](psx::Worker&) {});
   CHECK(from_pinned.first == host.first);

@@ -1,8 +1,9 @@
 //! @file psx/cuda/memory.cuh
 //! Device memory for the CUDA kernel layer: `psx::cuda::check`, which turns a
 //! CUDA error into `psx::error`, `psx::cuda::buffer<T>`, an owning,
-//! move-only device array, and `psx::cuda::Staging`, which moves pageable
-//! host memory to and from the device through pinned chunks. Every kernel launcher in `psx/cuda/` checks its
+//! move-only device array, `psx::cuda::pinned_buffer<T>`, its counterpart in
+//! pinned host memory, and `psx::cuda::Staging`, which moves pageable host
+//! memory to and from the device through pinned chunks. Every kernel launcher in `psx/cuda/` checks its
 //! launch (`cudaGetLastError`) with `check`, so a bad launch throws at the
 //! call that made it; errors inside a running kernel surface at the next
 //! synchronizing call.
@@ -96,6 +97,62 @@ class buffer {
  private:
   void release() noexcept {
     if (data_) cudaFree(data_);  // a destructor cannot report; cudaFree fails only on a broken context
+    data_ = nullptr;
+    size_ = 0;
+  }
+
+  T* data_ = nullptr;
+  std::size_t size_ = 0;
+};
+
+//! An owning array of `size()` elements of T in pinned host memory
+//! (page-locked, mapped into the device's address space, usable from every
+//! device: `cudaHostAlloc` with `cudaHostAllocPortable | cudaHostAllocMapped`),
+//! uninitialized; move-only. Gradients pushed from it and parameters pulled
+//! into it cross the bus at the copy engines' rate, with no CPU copy on the
+//! way (docs/gpu.md, "Host memory"). A zero-sized buffer holds no memory.
+template <class T>
+class pinned_buffer {
+  static_assert(std::is_trivially_copyable_v<T>, "psx::cuda::pinned_buffer<T>: T must be trivially copyable");
+
+ public:
+  pinned_buffer() = default;
+  //! Allocates `n` elements.
+  explicit pinned_buffer(std::size_t n) : size_(n) {
+    if (n == 0) return;
+    if (n > std::numeric_limits<std::size_t>::max() / sizeof(T))
+      throw std::length_error("psx::cuda::pinned_buffer: " + std::to_string(n) + " elements of " +
+                              std::to_string(sizeof(T)) + " bytes are more bytes than a size_t counts");
+    void* p = nullptr;
+    check(cudaHostAlloc(&p, n * sizeof(T), cudaHostAllocPortable | cudaHostAllocMapped),
+          "cudaHostAlloc of " + std::to_string(n * sizeof(T)) + " bytes");
+    data_ = static_cast<T*>(p);
+  }
+  pinned_buffer(pinned_buffer&& other) noexcept
+      : data_(std::exchange(other.data_, nullptr)), size_(std::exchange(other.size_, 0)) {}
+  pinned_buffer& operator=(pinned_buffer&& other) noexcept {
+    if (this != &other) {
+      release();
+      data_ = std::exchange(other.data_, nullptr);
+      size_ = std::exchange(other.size_, 0);
+    }
+    return *this;
+  }
+  pinned_buffer(const pinned_buffer&) = delete;
+  pinned_buffer& operator=(const pinned_buffer&) = delete;
+  ~pinned_buffer() { release(); }
+
+  T* data() noexcept { return data_; }
+  const T* data() const noexcept { return data_; }
+  std::size_t size() const noexcept { return size_; }
+  bool empty() const noexcept { return size_ == 0; }
+  //! The elements, for `Worker::push`, `pull`, `push_rows` and `pull_rows`.
+  std::span<T> span() noexcept { return {data_, size_}; }
+  std::span<const T> span() const noexcept { return {data_, size_}; }
+
+ private:
+  void release() noexcept {
+    if (data_) cudaFreeHost(data_);  // a destructor cannot report; this fails only on a broken context
     data_ = nullptr;
     size_ = 0;
   }
