@@ -37,31 +37,27 @@ inline void check(cudaError_t status, std::string_view what) {
 namespace detail {
 // After a `<<<...>>>` launch: a bad configuration is reported here, at once.
 inline void check_launch(std::string_view kernel) { check(cudaGetLastError(), kernel); }
-}  // namespace detail
 
-//! An owning device array of `size()` elements of T (cudaMalloc/cudaFree),
-//! uninitialized; move-only. A zero-sized buffer holds no memory.
-template <class T>
-class buffer {
-  static_assert(std::is_trivially_copyable_v<T>, "psx::cuda::buffer<T>: T must be trivially copyable");
+// An owning array of `size()` elements of T, uninitialized, move-only, in
+// the memory that `Memory::allocate(bytes)` gives and `Memory::release(p)`
+// takes back (`Memory::name` names it in errors). A zero-sized array holds
+// no memory.
+template <class T, class Memory>
+class owned_array {
+  static_assert(std::is_trivially_copyable_v<T>, "psx::cuda: the element type must be trivially copyable");
 
  public:
-  buffer() = default;
-  //! Allocates `n` elements.
-  explicit buffer(std::size_t n) : size_(n) {
+  owned_array() = default;
+  explicit owned_array(std::size_t n) : size_(n) {
     if (n == 0) return;
     if (n > std::numeric_limits<std::size_t>::max() / sizeof(T))
-      throw std::length_error("psx::cuda::buffer: " + std::to_string(n) + " elements of " + std::to_string(sizeof(T)) +
-                              " bytes are more bytes than a size_t counts");
-    void* p = nullptr;
-    check(cudaMalloc(&p, n * sizeof(T)), "cudaMalloc of " + std::to_string(n * sizeof(T)) + " bytes");
-    data_ = static_cast<T*>(p);
+      throw std::length_error(std::string(Memory::name) + ": " + std::to_string(n) + " elements of " +
+                              std::to_string(sizeof(T)) + " bytes are more bytes than a size_t counts");
+    data_ = static_cast<T*>(Memory::allocate(n * sizeof(T)));
   }
-  //! A device copy of `host`.
-  explicit buffer(std::span<const T> host) : buffer(host.size()) { copy_from(host); }
-
-  buffer(buffer&& other) noexcept : data_(std::exchange(other.data_, nullptr)), size_(std::exchange(other.size_, 0)) {}
-  buffer& operator=(buffer&& other) noexcept {
+  owned_array(owned_array&& other) noexcept
+      : data_(std::exchange(other.data_, nullptr)), size_(std::exchange(other.size_, 0)) {}
+  owned_array& operator=(owned_array&& other) noexcept {
     if (this != &other) {
       release();
       data_ = std::exchange(other.data_, nullptr);
@@ -69,9 +65,9 @@ class buffer {
     }
     return *this;
   }
-  buffer(const buffer&) = delete;
-  buffer& operator=(const buffer&) = delete;
-  ~buffer() { release(); }
+  owned_array(const owned_array&) = delete;
+  owned_array& operator=(const owned_array&) = delete;
+  ~owned_array() { release(); }
 
   T* data() noexcept { return data_; }
   const T* data() const noexcept { return data_; }
@@ -79,30 +75,72 @@ class buffer {
   std::size_t bytes() const noexcept { return size_ * sizeof(T); }
   bool empty() const noexcept { return size_ == 0; }
 
-  //! Copies `host` (at most `size()` elements) to the start of the buffer; synchronous.
-  void copy_from(std::span<const T> host) {
-    if (host.size() > size_) throw shape_error("psx::cuda::buffer: copying " + std::to_string(host.size()) +
-                                               " elements into a buffer of " + std::to_string(size_));
-    if (!host.empty())
-      check(cudaMemcpy(data_, host.data(), host.size_bytes(), cudaMemcpyHostToDevice), "cudaMemcpy host to device");
-  }
-  //! Copies the first `host.size()` elements to `host`; synchronous.
-  void copy_to(std::span<T> host) const {
-    if (host.size() > size_) throw shape_error("psx::cuda::buffer: copying " + std::to_string(host.size()) +
-                                               " elements out of a buffer of " + std::to_string(size_));
-    if (!host.empty())
-      check(cudaMemcpy(host.data(), data_, host.size_bytes(), cudaMemcpyDeviceToHost), "cudaMemcpy device to host");
-  }
-
  private:
   void release() noexcept {
-    if (data_) cudaFree(data_);  // a destructor cannot report; cudaFree fails only on a broken context
+    if (data_) Memory::release(data_);
     data_ = nullptr;
     size_ = 0;
   }
 
   T* data_ = nullptr;
   std::size_t size_ = 0;
+};
+
+struct DeviceMemory {
+  static constexpr const char* name = "psx::cuda::buffer";
+  static void* allocate(std::size_t bytes) {
+    void* p = nullptr;
+    check(cudaMalloc(&p, bytes), "cudaMalloc of " + std::to_string(bytes) + " bytes");
+    return p;
+  }
+  // A destructor cannot report; cudaFree fails only on a broken context.
+  static void release(void* p) noexcept { cudaFree(p); }
+};
+
+struct PinnedMemory {
+  static constexpr const char* name = "psx::cuda::pinned_buffer";
+  static void* allocate(std::size_t bytes) {
+    void* p = nullptr;
+    check(cudaHostAlloc(&p, bytes, cudaHostAllocPortable | cudaHostAllocMapped),
+          "cudaHostAlloc of " + std::to_string(bytes) + " bytes");
+    return p;
+  }
+  static void release(void* p) noexcept { cudaFreeHost(p); }
+};
+
+}  // namespace detail
+
+//! An owning device array of `size()` elements of T (cudaMalloc/cudaFree),
+//! uninitialized; move-only. A zero-sized buffer holds no memory.
+template <class T>
+class buffer : public detail::owned_array<T, detail::DeviceMemory> {
+  using base = detail::owned_array<T, detail::DeviceMemory>;
+
+ public:
+  buffer() = default;
+  //! Allocates `n` elements.
+  explicit buffer(std::size_t n) : base(n) {}
+  //! A device copy of `host`.
+  explicit buffer(std::span<const T> host) : base(host.size()) { copy_from(host); }
+
+  //! Copies `host` (at most `size()` elements) to the start of the buffer; synchronous.
+  void copy_from(std::span<const T> host) {
+    if (host.size() > this->size())
+      throw shape_error("psx::cuda::buffer: copying " + std::to_string(host.size()) + " elements into a buffer of " +
+                        std::to_string(this->size()));
+    if (!host.empty())
+      check(cudaMemcpy(this->data(), host.data(), host.size_bytes(), cudaMemcpyHostToDevice),
+            "cudaMemcpy host to device");
+  }
+  //! Copies the first `host.size()` elements to `host`; synchronous.
+  void copy_to(std::span<T> host) const {
+    if (host.size() > this->size())
+      throw shape_error("psx::cuda::buffer: copying " + std::to_string(host.size()) + " elements out of a buffer of " +
+                        std::to_string(this->size()));
+    if (!host.empty())
+      check(cudaMemcpy(host.data(), this->data(), host.size_bytes(), cudaMemcpyDeviceToHost),
+            "cudaMemcpy device to host");
+  }
 };
 
 //! An owning array of `size()` elements of T in pinned host memory
@@ -112,53 +150,17 @@ class buffer {
 //! into it cross the bus at the copy engines' rate, with no CPU copy on the
 //! way (docs/gpu.md, "Host memory"). A zero-sized buffer holds no memory.
 template <class T>
-class pinned_buffer {
-  static_assert(std::is_trivially_copyable_v<T>, "psx::cuda::pinned_buffer<T>: T must be trivially copyable");
+class pinned_buffer : public detail::owned_array<T, detail::PinnedMemory> {
+  using base = detail::owned_array<T, detail::PinnedMemory>;
 
  public:
   pinned_buffer() = default;
   //! Allocates `n` elements.
-  explicit pinned_buffer(std::size_t n) : size_(n) {
-    if (n == 0) return;
-    if (n > std::numeric_limits<std::size_t>::max() / sizeof(T))
-      throw std::length_error("psx::cuda::pinned_buffer: " + std::to_string(n) + " elements of " +
-                              std::to_string(sizeof(T)) + " bytes are more bytes than a size_t counts");
-    void* p = nullptr;
-    check(cudaHostAlloc(&p, n * sizeof(T), cudaHostAllocPortable | cudaHostAllocMapped),
-          "cudaHostAlloc of " + std::to_string(n * sizeof(T)) + " bytes");
-    data_ = static_cast<T*>(p);
-  }
-  pinned_buffer(pinned_buffer&& other) noexcept
-      : data_(std::exchange(other.data_, nullptr)), size_(std::exchange(other.size_, 0)) {}
-  pinned_buffer& operator=(pinned_buffer&& other) noexcept {
-    if (this != &other) {
-      release();
-      data_ = std::exchange(other.data_, nullptr);
-      size_ = std::exchange(other.size_, 0);
-    }
-    return *this;
-  }
-  pinned_buffer(const pinned_buffer&) = delete;
-  pinned_buffer& operator=(const pinned_buffer&) = delete;
-  ~pinned_buffer() { release(); }
+  explicit pinned_buffer(std::size_t n) : base(n) {}
 
-  T* data() noexcept { return data_; }
-  const T* data() const noexcept { return data_; }
-  std::size_t size() const noexcept { return size_; }
-  bool empty() const noexcept { return size_ == 0; }
   //! The elements, for `Worker::push`, `pull`, `push_rows` and `pull_rows`.
-  std::span<T> span() noexcept { return {data_, size_}; }
-  std::span<const T> span() const noexcept { return {data_, size_}; }
-
- private:
-  void release() noexcept {
-    if (data_) cudaFreeHost(data_);  // a destructor cannot report; this fails only on a broken context
-    data_ = nullptr;
-    size_ = 0;
-  }
-
-  T* data_ = nullptr;
-  std::size_t size_ = 0;
+  std::span<T> span() noexcept { return {this->data(), this->size()}; }
+  std::span<const T> span() const noexcept { return {this->data(), this->size()}; }
 };
 
 //! Where a pointer points, as CUDA sees it.
