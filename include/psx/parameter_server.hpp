@@ -107,13 +107,19 @@ class ParameterServer {
     if (info.meta.kind == VariableKind::dynamic) {
       place_table(info, spec.table);
     } else {
+      placed_bytes_.resize(config().num_servers, 0);
       info.shards = place(info.meta);
       detail::check_placement(info.meta, info.shards, config().num_servers);
     }
     validate_optimizer(optimizer_, info.meta, info.shards.size());
     core_->by_name.emplace(info.meta.name, info.meta.id);
     core_->variables.push_back(std::move(info));
-    return core_->variables.back();
+    const VariableInfo& placed = core_->variables.back();
+    // What each server holds so far, kept as variables come (placement_report's
+    // sum, without a pass over every variable at each declare).
+    placed_bytes_.resize(config().num_servers, 0);  // (a table's declare does not size it above)
+    for (const Shard& sh : placed.shards) placed_bytes_[sh.server] += std::uint64_t{sh.rows()} * detail::row_bytes(placed.meta);
+    return placed;
   }
 
   //! The variable declared as `name`; throws `psx::unknown_variable`. The
@@ -445,7 +451,7 @@ class ParameterServer {
     if constexpr (requires(std::span<const std::uint64_t> b) {
                     { partitioner_.place(meta, n, b) } -> std::same_as<std::vector<Shard>>;
                   }) {
-      return partitioner_.place(meta, n, placement_report(core_->variables, n).bytes);
+      return partitioner_.place(meta, n, placed_bytes_);
     } else {
       return partitioner_.place(meta, n);
     }
@@ -549,6 +555,8 @@ class ParameterServer {
   O optimizer_;
   T transport_;
   std::unique_ptr<detail::ClusterCore> core_;
+  // Per server, the bytes of the shards declared so far (LeastLoaded's input).
+  std::vector<std::uint64_t> placed_bytes_;
   std::atomic<bool> started_{false};
   std::mutex start_mu_;
   mutable std::mutex link_mu_;  // guards link_ and servers_

@@ -13,9 +13,11 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
+#include <functional>
 #include <ostream>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace psx {
@@ -171,16 +173,21 @@ struct LeastLoaded {
                            std::span<const std::uint64_t> server_bytes) const {
     if (num_servers == 0) throw config_error("psx: partition::LeastLoaded: no servers to place '" + v.name + "' on");
     std::vector<Shard> shards = split.place(v, num_servers);
-    std::vector<std::uint64_t> load(num_servers, 0);
-    std::copy_n(server_bytes.begin(), std::min(server_bytes.size(), load.size()), load.begin());
+    // (bytes held, server), the least first: a min-heap, so that many shards
+    // over many servers cost shards x log(servers), not shards x servers.
+    std::vector<std::pair<std::uint64_t, std::size_t>> load(num_servers);
+    for (std::size_t s = 0; s < num_servers; ++s) load[s] = {s < server_bytes.size() ? server_bytes[s] : 0, s};
+    const auto more = std::greater<>{};
+    std::make_heap(load.begin(), load.end(), more);
     std::vector<std::size_t> order(shards.size());
     for (std::size_t k = 0; k < order.size(); ++k) order[k] = k;
     std::stable_sort(order.begin(), order.end(),
                      [&](std::size_t a, std::size_t b) { return shards[a].rows() > shards[b].rows(); });
     for (const std::size_t k : order) {
-      const auto least = static_cast<std::size_t>(std::min_element(load.begin(), load.end()) - load.begin());
-      shards[k].server = least;
-      load[least] += std::uint64_t{shards[k].rows()} * detail::row_bytes(v);
+      std::pop_heap(load.begin(), load.end(), more);  // ties: the lower index, as (bytes, index) orders them
+      shards[k].server = load.back().second;
+      load.back().first += std::uint64_t{shards[k].rows()} * detail::row_bytes(v);
+      std::push_heap(load.begin(), load.end(), more);
     }
     return shards;
   }

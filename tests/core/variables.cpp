@@ -245,6 +245,46 @@ TEST_CASE("LeastLoaded puts each shard on the server holding the fewest bytes, l
     const LeastLoaded<psx::partition::MaxSize> p{{.max_shard_bytes = 1 + rng() % (1 << 20), .max_shards = rng() % 4}};
     CHECK_NOTHROW(psx::detail::check_placement(m, p.place(m, servers_n), servers_n));
   }
+  // The heap it keeps gives what a scan for the least loaded server gives
+  // (ties: the lower index), with many ties (equal loads and sizes).
+  for (int k = 0; k < 300; ++k) {
+    const std::size_t servers_n = 1 + rng() % 40;
+    const auto m = shaped({1 + rng() % 3000, 1 + rng() % 8});
+    std::vector<std::uint64_t> start_bytes(servers_n);
+    for (auto& b : start_bytes) b = (rng() % 4) * 1000;  // few distinct loads: ties
+    const LeastLoaded<psx::partition::FixedShards> p{{1 + rng() % 60}};
+    const std::vector<psx::Shard> got = p.place(m, servers_n, start_bytes);
+    std::vector<std::size_t> order(got.size());
+    for (std::size_t j = 0; j < order.size(); ++j) order[j] = j;
+    std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) { return got[a].rows() > got[b].rows(); });
+    std::vector<std::uint64_t> load = start_bytes;
+    bool same = true;
+    for (const std::size_t j : order) {
+      const auto least = static_cast<std::size_t>(std::min_element(load.begin(), load.end()) - load.begin());
+      same = same && got[j].server == least;
+      load[least] += std::uint64_t{got[j].rows()} * psx::detail::row_bytes(m);
+    }
+    CHECK(same);
+  }
+  // The cluster keeps what each server holds as variables come: every
+  // placement is the one the report of the variables before it gives.
+  {
+    using P = LeastLoaded<psx::partition::MaxSize>;
+    const P p{{.max_shard_bytes = 4096, .max_shards = 0}};
+    psx::ParameterServer<P, psx::sync::Asynchronous, psx::optim::SGD> many({7, 1}, p);
+    for (int k = 0; k < 150; ++k) {
+      psx::VariableSpec spec = psx::dense("m" + std::to_string(k), {1 + rng() % 500, 1 + rng() % 16});
+      if (k % 5 == 0) spec.dtype = psx::DType::bfloat16;
+      const std::vector<psx::VariableInfo> before = many.variables();
+      const psx::VariableInfo placed = many.declare(spec);
+      const auto want = p.place(placed.meta, 7, psx::placement_report(before, 7).bytes);
+      bool same = want.size() == placed.shards.size();
+      for (std::size_t j = 0; same && j < want.size(); ++j)
+        same = want[j].server == placed.shards[j].server && want[j].row_begin == placed.shards[j].row_begin &&
+               want[j].row_end == placed.shards[j].row_end;
+      CHECK(same);
+    }
+  }
   std::ostringstream os;
   os << LeastLoaded<psx::partition::FixedShards>{{2}};
   CHECK(os.str() == "LeastLoaded{FixedShards{shards=2}}");
