@@ -55,10 +55,22 @@
 //                                       rows (read once, written once).
 //    Bytes/s count the gradient bytes.
 //
+// 4. Declaring many variables (`place/...`). `partition::LeastLoaded` is told
+//    what each server holds at every declare and puts each shard on the
+//    least loaded server:
+//      BM_place_least_loaded  declares `vars` variables of `shards` shards
+//                             each on `servers` servers (a fresh cluster per
+//                             iteration);
+//      BM_ref_place_fixed     reference: the same declares with
+//                             FixedShards, which deals shards without
+//                             looking at loads.
+//    Both should grow linearly with the variables (items/s: variables).
+//
 //   ./bench_micro [--benchmark_filter=REGEX] [other Google Benchmark flags]
 #include "../zipf.hpp"
 
 #include <psx/detail/wire.hpp>
+#include <psx/parameter_server.hpp>
 #include <psx/partition.hpp>
 #include <psx/storage.hpp>
 #include <psx/worker.hpp>
@@ -415,12 +427,45 @@ void register_dedup() {
   }
 }
 
+template <class P>
+void place_variables(benchmark::State& state, P partitioner, std::size_t vars, std::size_t servers,
+                     std::size_t shards) {
+  for (auto _ : state) {
+    psx::ParameterServer<P, psx::sync::Asynchronous, psx::optim::SGD> ps({servers, 1}, partitioner);
+    std::string name;
+    for (std::size_t k = 0; k < vars; ++k) {
+      name.assign(1, 'v').append(std::to_string(k));  // (GCC 12 warns, falsely, on "v" + std::to_string(k))
+      ps.declare(psx::dense(name, {std::max<std::size_t>(shards, 64 + k % 1000), 4}));
+    }
+    benchmark::DoNotOptimize(ps.placement().bytes.data());
+  }
+  state.SetItemsProcessed(static_cast<std::int64_t>(state.iterations() * vars));
+}
+
+void register_place() {
+  struct Case {
+    std::size_t vars, servers, shards;
+  };
+  for (const Case c : {Case{20000, 8, 1}, Case{1000, 1000, 1000}}) {
+    const std::string name = "/vars:" + std::to_string(c.vars) + "/servers:" + std::to_string(c.servers) +
+                             "/shards:" + std::to_string(c.shards);
+    benchmark::RegisterBenchmark(("BM_place_least_loaded" + name).c_str(), [c](benchmark::State& s) {
+      place_variables(s, psx::partition::LeastLoaded<psx::partition::FixedShards>{{c.shards}}, c.vars, c.servers,
+                      c.shards);
+    })->Unit(benchmark::kMillisecond);
+    benchmark::RegisterBenchmark(("BM_ref_place_fixed" + name).c_str(), [c](benchmark::State& s) {
+      place_variables(s, psx::partition::FixedShards{c.shards}, c.vars, c.servers, c.shards);
+    })->Unit(benchmark::kMillisecond);
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   register_partition();
   register_wire();
   register_dedup();
+  register_place();
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
   benchmark::RunSpecifiedBenchmarks();
