@@ -104,10 +104,10 @@ class ParameterServer {
     info.meta = detail::make_meta(spec, static_cast<std::uint32_t>(core_->variables.size()));
     info.init = spec.init;
     info.trainable = spec.trainable;
+    placed_bytes_.resize(config().num_servers, 0);
     if (info.meta.kind == VariableKind::dynamic) {
       place_table(info, spec.table);
     } else {
-      placed_bytes_.resize(config().num_servers, 0);
       info.shards = place(info.meta);
       detail::check_placement(info.meta, info.shards, config().num_servers);
     }
@@ -117,7 +117,6 @@ class ParameterServer {
     const VariableInfo& placed = core_->variables.back();
     // What each server holds so far, kept as variables come (placement_report's
     // sum, without a pass over every variable at each declare).
-    placed_bytes_.resize(config().num_servers, 0);  // (a table's declare does not size it above)
     for (const Shard& sh : placed.shards) placed_bytes_[sh.server] += std::uint64_t{sh.rows()} * detail::row_bytes(placed.meta);
     return placed;
   }

@@ -3,9 +3,9 @@
 //! CUDA error into `psx::error`, `psx::cuda::buffer<T>`, an owning,
 //! move-only device array, `psx::cuda::pinned_buffer<T>`, its counterpart in
 //! pinned host memory, and `psx::cuda::Staging`, which moves pageable host
-//! memory to and from the device through pinned chunks. Every kernel launcher in `psx/cuda/` checks its
-//! launch (`cudaGetLastError`) with `check`, so a bad launch throws at the
-//! call that made it; errors inside a running kernel surface at the next
+//! memory to and from the device through pinned chunks. Every kernel
+//! launcher in `psx/cuda/` checks its launch (`cudaGetLastError`) with
+//! `check`, so a bad launch throws at the call that made it; errors inside a running kernel surface at the next
 //! synchronizing call.
 #pragma once
 
@@ -170,13 +170,22 @@ enum class MemoryKind {
   device,    //!< device or managed memory
 };
 
-//! The kind of memory `p` points into (pageable where CUDA does not know it).
-inline MemoryKind memory_kind(const void* p) {
+namespace detail {
+// CUDA's view of `p`; unregistered (pageable) where CUDA does not know it.
+inline cudaPointerAttributes attributes(const void* p) {
   cudaPointerAttributes a{};
   if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
     (void)cudaGetLastError();  // plain host memory on old drivers
-    return MemoryKind::pageable;
+    a = cudaPointerAttributes{};
+    a.type = cudaMemoryTypeUnregistered;
   }
+  return a;
+}
+}  // namespace detail
+
+//! The kind of memory `p` points into (pageable where CUDA does not know it).
+inline MemoryKind memory_kind(const void* p) {
+  const cudaPointerAttributes a = detail::attributes(p);
   if (a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged) return MemoryKind::device;
   return a.type == cudaMemoryTypeHost ? MemoryKind::pinned : MemoryKind::pageable;
 }
@@ -184,11 +193,16 @@ inline MemoryKind memory_kind(const void* p) {
 //! The address at which a kernel reads and writes the pinned host memory at
 //! `p` (over the bus), or nullptr when `p` is not pinned or not mapped.
 inline void* mapped_pointer(const void* p) {
-  cudaPointerAttributes a{};
-  if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return nullptr;
-  }
+  const cudaPointerAttributes a = detail::attributes(p);
+  return a.type == cudaMemoryTypeHost ? a.devicePointer : nullptr;
+}
+
+//! The address at which a kernel reads and writes `p`: `p` itself for device
+//! or managed memory, `mapped_pointer(p)` for pinned memory, else nullptr
+//! (one query where asking both would make two).
+inline void* kernel_pointer(const void* p) {
+  const cudaPointerAttributes a = detail::attributes(p);
+  if (a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged) return const_cast<void*>(p);
   return a.type == cudaMemoryTypeHost ? a.devicePointer : nullptr;
 }
 

@@ -14,15 +14,14 @@
 //! Each shard owns a CUDA stream on the device current when the server was
 //! started (the thread that calls `start()`); every operation makes that
 //! device current while it runs, and is complete when its call returns, also
-//! when it throws. Pageable host
-//! memory (gradients, pulls into host buffers, row gathers and scatters by
-//! position) moves through the serving thread's `psx::cuda::Staging`, two
-//! pinned chunks that the CPU fills while a copy engine moves the other;
-//! pinned and device memory are copied directly, and rows pushed from or
-//! pulled into pinned memory are gathered or scattered by a kernel that
-//! reads or writes it over the bus. Delay
-//! compensation (DC-ASGD) reads parameters on the host and is refused at
-//! start with this storage.
+//! when it throws. Pageable host memory (gradients, pulls into host buffers,
+//! row gathers and scatters by position) moves through the serving thread's
+//! `psx::cuda::Staging`, two pinned chunks that the CPU fills while a copy
+//! engine moves the other; pinned and device memory are copied directly, and
+//! rows pushed from or pulled into pinned memory are gathered or scattered by
+//! a kernel that reads or writes it over the bus. Delay compensation
+//! (DC-ASGD) reads parameters on the host and is refused at start with this
+//! storage.
 #pragma once
 
 #include <psx/cuda/kernels.cuh>
@@ -190,7 +189,7 @@ struct Device {
       // Rows to their positions: by a kernel into device memory and into
       // pinned host memory (written over the bus), else on the way through
       // the thread's Staging.
-      T* direct = detail::on_device(out.data()) ? out.data() : static_cast<T*>(mapped_pointer(out.data()));
+      T* direct = static_cast<T*>(kernel_pointer(out.data()));
       if (direct) {
         positions_.resize_for(n);
         to_device(positions_.data(), positions.data(), n * sizeof(std::uint32_t), "upload of row positions");
