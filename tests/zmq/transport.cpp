@@ -12,11 +12,13 @@
 #include <zmq.hpp>
 #include <zmq_addon.hpp>
 
+#include <poll.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <unistd.h>
 
 #include <atomic>
+#include <condition_variable>
 #include <cstdlib>
 #include <cstring>
 #include <exception>
@@ -1148,6 +1150,76 @@ TEST_CASE("zmq: callers on several threads send on the worker's sockets at once,
     for (auto& t : callers) t.join();
     CHECK(wrong.load() == 0);
   });
+}
+
+TEST_CASE("zmq: a call finished on another thread wakes the thread waiting for it, and only that one") {
+  // A waiter sleeps on an eventfd of its own (detail_zmq::Sleepers): no
+  // other waiter can drain its wake-up, so its sleep needs no short timeout.
+  using psx::transport::detail_zmq::Sleepers;
+  Sleepers sleepers;
+  psx::Completion a(1), b(1);
+  auto readable = [](const Sleepers::Entry& e) {
+    ::pollfd p{e.waker->fd(), POLLIN, 0};
+    return ::poll(&p, 1, 0) == 1;
+  };
+  // The steps of two waiting threads (one for `a`, one for `b`) and the
+  // main thread, in turn; the waiters' eventfds live as long as they do.
+  std::mutex mu;
+  std::condition_variable cv;
+  int stage = 0;
+  auto at = [&](int n) {
+    std::unique_lock lock(mu);
+    cv.wait(lock, [&] { return stage >= n; });
+  };
+  auto next = [&] {
+    {
+      std::lock_guard lock(mu);
+      ++stage;
+    }
+    cv.notify_all();
+  };
+  Sleepers::Entry ea, eb;
+  std::thread ta([&] {
+    ea = sleepers.enter(a);
+    next();  // 1
+    at(3);
+    sleepers.leave(ea);
+    next();  // 4
+    at(6);
+  });
+  at(1);
+  std::thread tb([&] {
+    eb = sleepers.enter(b);
+    next();  // 2
+    at(4);
+    sleepers.wake(&b);  // a waiter does not wake itself
+    next();  // 5
+    at(6);
+  });
+  at(2);
+  REQUIRE(ea.waker != nullptr);
+  REQUIRE(eb.waker != nullptr);
+  REQUIRE(ea.waker->fd() != eb.waker->fd());
+  a.finish();
+  sleepers.wake(&a);
+  CHECK(readable(ea));
+  CHECK_FALSE(readable(eb));
+  ea.waker->drain();
+  next();  // 3: a's thread leaves
+  at(5);   // and b's has tried to wake itself
+  CHECK_FALSE(readable(eb));
+  sleepers.wake(&a);  // nobody waits for `a` any more
+  CHECK_FALSE(readable(ea));
+  b.finish();
+  sleepers.wake(&b);
+  CHECK(readable(eb));
+  sleepers.leave(eb);  // the main thread may take a waiter's entry off
+  eb.waker->drain();
+  sleepers.wake(&b);
+  CHECK_FALSE(readable(eb));
+  next();  // 6: both end
+  ta.join();
+  tb.join();
 }
 
 TEST_CASE("zmq: the chief collects the counters of a server in another process") {

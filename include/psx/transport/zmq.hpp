@@ -256,6 +256,66 @@ class Waker {
   int fd_;
 };
 
+// The threads waiting in `await`, each for one completion and each on an
+// eventfd of its own: a call finished on another thread wakes the threads
+// waiting for it, and each drains only its own eventfd. (With one eventfd
+// shared by every waiter, a waiter could drain the wake-up meant for
+// another, which then slept until a timeout; the short timeouts that
+// bounded that cost a timer reprogramming at every sleep, ~10 us of a
+// virtual machine's CPU per call.)
+class Sleepers {
+ public:
+  struct Entry {
+    std::thread::id thread;
+    const Completion* done = nullptr;
+    Waker* waker = nullptr;  // null: the thread could not get one (no eventfd)
+  };
+
+  // Registers the calling thread as waiting for `done`. Never throws: a
+  // thread that cannot register gets an entry without a waker and must
+  // wake up by itself (a bounded sleep).
+  Entry enter(const Completion& done) noexcept {
+    Entry e{std::this_thread::get_id(), &done, own()};
+    if (!e.waker) return e;
+    try {
+      std::lock_guard lock(mu_);
+      waiting_.push_back(e);
+    } catch (...) {
+      e.waker = nullptr;
+    }
+    return e;
+  }
+  void leave(const Entry& e) noexcept {
+    if (!e.waker) return;
+    std::lock_guard lock(mu_);
+    const auto it = std::find_if(waiting_.begin(), waiting_.end(), [&](const Entry& w) { return w.waker == e.waker; });
+    if (it == waiting_.end()) return;
+    *it = waiting_.back();
+    waiting_.pop_back();
+  }
+  // Wakes the other threads waiting for `done`.
+  void wake(const Completion* done) noexcept {
+    const auto me = std::this_thread::get_id();
+    std::lock_guard lock(mu_);
+    for (const Entry& w : waiting_)
+      if (w.done == done && w.thread != me) w.waker->wake();
+  }
+
+ private:
+  // This thread's eventfd, made at its first wait and kept until it ends.
+  static Waker* own() noexcept {
+    try {
+      thread_local Waker waker;
+      return &waker;
+    } catch (...) {  // out of descriptors: retried at the next wait
+      return nullptr;
+    }
+  }
+
+  std::mutex mu_;
+  std::vector<Entry> waiting_;
+};
+
 inline std::string z85_of(const void* key32) {
   char text[41] = {};
   zmq_z85_encode(text, static_cast<const std::uint8_t*>(key32), 32);
@@ -382,8 +442,7 @@ class Zmq::link_type {
       r.clock = it->first;
     }
     auto call = std::make_shared<WorkerCall>();
-    call->waiters = &waiters_;
-    call->finished = &finished_;
+    call->sleepers = &sleepers_;
     call->tag = r.call;
     // The call owns the completion only once it is sent or queued: if send
     // throws, the caller finishes this part (Worker::dispatch), and it must
@@ -471,17 +530,28 @@ class Zmq::link_type {
   //! lanes is small the waiter polls without sleeping for `busy_poll`
   //! first. A call finished on another thread (the I/O thread failing it,
   //! libzmq letting go of its frames last, another waiter reading its
-  //! answer) wakes the waiters through `finished_`.
+  //! answer) wakes the thread waiting for it through that thread's own
+  //! eventfd (detail_zmq::Sleepers).
+  //!
+  //! The sleeps have no short timeout: a poll whose timeout comes before
+  //! the kernel's next tick (4 ms at 250 Hz) makes it reprogram the timer
+  //! on going to sleep and again on waking, which on a virtual machine are
+  //! two exits to the hypervisor: ~10 us of CPU and of latency per call on
+  //! the project's VM, where a 1 ms nap took 1 MiB pushes from 0.95x raw
+  //! libzmq to 0.91x (benchmarks/zmq/bench_zmq.cpp).
   void await(std::size_t, Completion& done) {
     if (!worker_index_ || !lanes_) return;
     const std::size_t n = dealers_.size();
     std::vector<::pollfd> fds(n + 1);
     waiters_.fetch_add(1);
+    const detail_zmq::Sleepers::Entry me = sleepers_.enter(done);
     bool undrained = false;
     struct Leave {
       link_type& l;
+      const detail_zmq::Sleepers::Entry& me;
       bool& undrained;
       ~Leave() {
+        l.sleepers_.leave(me);
         // The last waiter to go: the I/O thread reads the sockets again,
         // at once if a call still waits for an answer.
         bool wake = undrained;
@@ -492,16 +562,16 @@ class Zmq::link_type {
           }
         if (wake) l.waker_.wake();
       }
-    } leave{*this, undrained};
+    } leave{*this, me, undrained};
     bool spun = false;
-    auto nap = std::chrono::milliseconds(1);
     for (bool look = false; !done.ready(); look = true) {
       // ZMQ_FD is edge-triggered, and a send looked at its socket last
       // (waking the I/O thread if an answer was there), so the first look
       // is a sleep on the descriptors; each one that woke is read until
       // the socket says EAGAIN, which re-arms its notice.
       bool small = true;
-      fds[0] = {finished_.fd(), POLLIN, 0};
+      // Negative: no eventfd of its own (poll skips it), so a bounded sleep.
+      fds[0] = {me.waker ? me.waker->fd() : -1, POLLIN, 0};
       for (std::size_t s = 0; s < n; ++s) {
         Lane& lane = lanes_[s];
         std::lock_guard lock(lane.mu);
@@ -519,13 +589,10 @@ class Zmq::link_type {
           ready = ::poll(fds.data(), fds.size(), 0);
         } while (ready == 0 && clock::now() < until);
       }
-      if (ready == 0) {
-        // A bounded sleep: a finish that raced past finished_ (another
-        // waiter drained it first) is seen within it.
-        ready = ::poll(fds.data(), fds.size(), static_cast<int>(nap.count()));
-        if (ready == 0) nap = std::min(nap * 2, std::chrono::milliseconds(50));
-      }
-      if (fds[0].revents & POLLIN) finished_.drain();
+      // Every wake-up is told (an answer on a socket, a finish on this
+      // thread's eventfd); the timeout is a safety net, longer than a tick.
+      if (ready == 0) ::poll(fds.data(), fds.size(), me.waker ? 100 : 5);
+      if (fds[0].revents & POLLIN) me.waker->drain();
     }
   }
 
@@ -586,16 +653,14 @@ class Zmq::link_type {
     // When the call fails unless answered (its server restarted), and why.
     clock::time_point deadline = clock::time_point::max();
     std::string deadline_reason;
-    // The thread that sent it, and the link's waiters to wake when it
-    // finishes on another thread (that thread may be waiting in await).
-    std::thread::id sender = std::this_thread::get_id();
-    const std::atomic<int>* waiters = nullptr;
-    detail_zmq::Waker* finished = nullptr;
+    // The link's waiting threads: the one waiting for this call is woken
+    // when another thread finishes it.
+    detail_zmq::Sleepers* sleepers = nullptr;
     // Finished when the reader and every frame libzmq borrowed let go.
     ~WorkerCall() {
       if (!done) return;
       done->finish(std::move(error));
-      if (finished && waiters->load() > 0 && std::this_thread::get_id() != sender) finished->wake();
+      if (sleepers && done->ready()) sleepers->wake(done.get());
     }
   };
 
@@ -1471,10 +1536,10 @@ class Zmq::link_type {
   Zmq settings_;
   TransportContext ctx_;
   std::uint64_t fingerprint_;
-  // Callers in await, and their wake-up (before zctx_: libzmq may let go
+  // Callers in await, and their wake-ups (before zctx_: libzmq may let go
   // of a call's frames, which finishes it, until the context is gone).
   std::atomic<int> waiters_{0};
-  detail_zmq::Waker finished_;
+  detail_zmq::Sleepers sleepers_;
   zmq::context_t zctx_;
   std::optional<std::size_t> server_index_;
   std::optional<std::size_t> worker_index_;
