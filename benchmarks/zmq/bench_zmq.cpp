@@ -6,7 +6,8 @@
 //         into its buffer
 //   every size: the time of a call (a round trip) and the throughput (GB/s)
 //   sparse pull: 100k random rows x 16 floats from a 1M-row table (the raw
-//         reference sends the same 100k ids and answers as many bytes)
+//         reference sends the same 100k ids, and its server gathers those
+//         rows from a table of its own, as a server must)
 //
 // The raw reference does exactly that with one DEALER and one ROUTER and no
 // psx: the bytes leave a buffer as a borrowed frame and land in a buffer.
@@ -23,15 +24,29 @@
 // 30% between rounds, and a ratio within one round compares the two under
 // the same conditions.
 //
+// Where the process may run on two CPUs or more, each end runs on a CPU of
+// its own, as on two hosts: the worker side (the psx worker and the raw
+// client, their libzmq I/O threads and psx's I/O thread) on the first CPU
+// of the process's affinity set, the server side (the psx server and the
+// raw server, with theirs) on the second; threads inherit their creator's
+// CPU, and libzmq starts a context's threads with its first socket. Left
+// to the scheduler (PSX_BENCH_PIN=0), the four busy threads of a transfer
+// share the CPUs anyhow, and the same code measured 0.85-1.13x of raw from
+// one process to the next on the 2-core VM, against 0.91-0.93x pinned.
+//
 // Goal (issue 5): psx at least 0.9x raw throughput for 1 MiB and larger, and
 // a round trip within 1.5x of the raw one.
 //
-//   ./bench_zmq [reps]          (PSX_BUSY_POLL_US=n sets Zmq::busy_poll, to compare)
+//   ./bench_zmq [reps]          (PSX_BUSY_POLL_US=n sets Zmq::busy_poll, to compare;
+//                                PSX_BENCH_PIN=0 leaves the threads to the scheduler)
 #include <psx/psx.hpp>
 #include <psx/transport/zmq.hpp>
 
 #include <zmq.hpp>
 #include <zmq_addon.hpp>
+
+#include <pthread.h>
+#include <sched.h>
 
 #include <algorithm>
 #include <chrono>
@@ -70,6 +85,34 @@ void declare(PS& ps) {
   ps.declare({.name = "emb", .shape = {table_rows, dim}, .kind = psx::VariableKind::sparse});
 }
 
+// The CPUs for the worker and the server side, when there are two to give.
+struct Placement {
+  int worker = -1, server = -1;
+};
+
+Placement placement() {
+  if (const char* p = std::getenv("PSX_BENCH_PIN"); p && std::string(p) == "0") return {};
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof set, &set) != 0) return {};
+  std::vector<int> cpus;
+  for (int c = 0; c < CPU_SETSIZE && cpus.size() < 2; ++c)
+    if (CPU_ISSET(c, &set)) cpus.push_back(c);
+  if (cpus.size() < 2) return {};
+  return {cpus[0], cpus[1]};
+}
+
+// Moves the calling thread to `cpu` (nothing for -1); the threads it starts
+// from now on inherit it.
+void run_on(int cpu) {
+  if (cpu < 0) return;
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  CPU_SET(cpu, &set);
+  if (pthread_setaffinity_np(pthread_self(), sizeof set, &set) != 0)
+    std::fprintf(stderr, "bench_zmq: cannot move a thread to CPU %d\n", cpu);
+}
+
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v[v.size() / 2];
@@ -105,12 +148,13 @@ struct Paired {
   }
 };
 
-// The raw reference: a ROUTER that answers "push" with 1 byte and "pull"
-// with `bytes` of its buffer, on its own thread.
+// The raw reference: a ROUTER that answers "push" with 1 byte, "pull" with
+// `bytes` of its buffer, and a pull that carries ids with their rows of its
+// table, on its own thread.
 class RawServer {
  public:
   RawServer(zmq::context_t& ctx, const std::string& endpoint, std::size_t max_bytes)
-      : sock_(ctx, zmq::socket_type::router), data_(max_bytes, std::byte{1}) {
+      : sock_(ctx, zmq::socket_type::router), data_(max_bytes, std::byte{1}), table_(table_rows * dim, 0.25f) {
     sock_.bind(endpoint);
     endpoint_ = sock_.get(zmq::sockopt::last_endpoint);
     thread_ = std::thread([this] {
@@ -127,6 +171,15 @@ class RawServer {
         reply.push_back(std::move(msg[0]));
         if (want == 0) {
           reply.emplace_back(1);
+        } else if (msg.size() > 2) {
+          // The rows of the ids that came along, in their order.
+          const auto* ids = static_cast<const std::uint64_t*>(msg[2].data());
+          const std::size_t n = std::min(msg[2].size() / sizeof(std::uint64_t), want / (dim * sizeof(float)));
+          zmq::message_t rows(want);
+          auto* out = static_cast<float*>(rows.data());
+          for (std::size_t j = 0; j < n; ++j)
+            std::memcpy(out + j * dim, table_.data() + (ids[j] % table_rows) * dim, dim * sizeof(float));
+          reply.push_back(std::move(rows));
         } else {
           // A copy out of the "shard", as a server writing an answer makes.
           reply.emplace_back(data_.data(), want);
@@ -141,6 +194,7 @@ class RawServer {
  private:
   zmq::socket_t sock_;
   std::vector<std::byte> data_;
+  std::vector<float> table_;
   std::string endpoint_;
   std::thread thread_;
 };
@@ -168,7 +222,7 @@ class RawClient {
     std::memcpy(v.data(), reply.data(), reply.size());
   }
   // A pull that sends `ids` along (borrowed), as a sparse pull does; the
-  // server answers `v`'s bytes and reads nothing of them.
+  // server answers their rows, `v`'s bytes.
   void pull_with(const std::vector<std::uint64_t>& ids, std::vector<float>& v) {
     std::uint64_t want = v.size() * sizeof(float);
     std::vector<zmq::message_t> msg;
@@ -188,9 +242,15 @@ class RawClient {
 
 int main(int argc, char** argv) {
   const int reps = argc > 1 ? std::atoi(argv[1]) : 5;
+  const Placement cpu = placement();
   std::printf("bench_zmq: psx::transport::Zmq next to raw cppzmq (same bytes, same run), %d rounds (%d for 4 KiB "
               "and 1 MiB)\n",
               reps, 3 * reps);
+  if (cpu.worker >= 0)
+    std::printf("worker side on CPU %d, server side on CPU %d (PSX_BENCH_PIN=0: left to the scheduler)\n", cpu.worker,
+                cpu.server);
+  else
+    std::printf("threads left to the scheduler\n");
   std::printf("%-6s %-18s %14s %14s %10s %10s %8s\n", "link", "what", "psx", "raw zmq", "psx", "raw zmq", "psx/raw");
   for (const bool ipc : {false, true}) {
     const fs::path dir = fs::temp_directory_path() / ("psx-bench-zmq-" + std::to_string(::getpid()));
@@ -207,17 +267,21 @@ int main(int argc, char** argv) {
       return z;
     };
     std::thread server([&] {
+      run_on(cpu.server);
       Cluster ps({1, 1}, {}, {}, {}, task("ps"));
       declare(ps);
       ps.run([](psx::Worker&) {});
     });
     {
+      run_on(cpu.worker);
       Cluster chief({1, 1}, {}, {}, {}, task("chief"));
       declare(chief);
       psx::Worker w = chief.worker(0);
       zmq::context_t ctx, server_ctx;
+      run_on(cpu.server);  // the raw server's threads
       RawServer raw_server(server_ctx, ipc ? "ipc://" + (dir / "raw").string() : "tcp://127.0.0.1:0",
                            sizes[2].floats * sizeof(float));
+      run_on(cpu.worker);
       RawClient raw(ctx, raw_server.endpoint());
       const char* link = ipc ? "ipc" : "tcp";
       for (const auto& s : sizes) {
@@ -260,7 +324,7 @@ int main(int argc, char** argv) {
         sparse.add(r, [&] { w.pull_rows("emb", ids, rows); }, [&] { raw.pull_with(ids, rows); });
       const double bytes = static_cast<double>(rows.size() * sizeof(float));
       std::printf("%-6s %-18s %11.1f us %11.1f us %5.2f GB/s %5.2f GB/s %7.2fx   "
-                  "(rows answered; both send the ids, raw gathers nothing)\n",
+                  "(rows answered; both servers gather them)\n",
                   link, "sparse pull 100k", median(sparse.psx) * 1e6, median(sparse.raw) * 1e6,
                   bytes / median(sparse.psx) / 1e9, bytes / median(sparse.raw) / 1e9, 1.0 / median(sparse.time_ratio));
       w.leave();

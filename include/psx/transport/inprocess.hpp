@@ -28,6 +28,7 @@
 #pragma once
 
 #include <psx/concepts.hpp>
+#include <psx/detail/cpus.hpp>
 #include <psx/errors.hpp>
 
 #include <algorithm>
@@ -47,27 +48,8 @@
 #include <utility>
 #include <vector>
 
-#if defined(__linux__)
-#include <sched.h>
-#endif
-
 namespace psx {
 inline namespace v0 {
-namespace detail {
-
-// The logical CPUs this process may run on: its CPU affinity set where the
-// platform tells it (Linux, up to 1024 CPUs), else the machine's hardware
-// threads; at least 1.
-inline std::size_t usable_cores() noexcept {
-#if defined(__linux__)
-  cpu_set_t set;
-  CPU_ZERO(&set);
-  if (sched_getaffinity(0, sizeof set, &set) == 0) return static_cast<std::size_t>(std::max(CPU_COUNT(&set), 1));
-#endif
-  return std::max(1u, std::thread::hardware_concurrency());
-}
-
-}  // namespace detail
 
 namespace transport {
 

@@ -15,6 +15,7 @@
 #pragma once
 
 #include <psx/concepts.hpp>
+#include <psx/detail/cpus.hpp>
 #include <psx/detail/hash.hpp>
 #include <psx/detail/wire.hpp>
 #include <psx/errors.hpp>
@@ -121,7 +122,12 @@ struct Zmq {
   //! answer that comes within it is taken without a thread wake-up. Costs
   //! that much CPU per call at most. Spinning during 1 MiB transfers cost
   //! them up to half their throughput on a 2-core machine, hence the size
-  //! limit.
+  //! limit. The waiter yields its CPU between looks, so a libzmq I/O thread
+  //! on the same CPU still moves the answer; a process that may run on one
+  //! CPU only (its affinity set when the cluster starts) does not spin at
+  //! all: there the answer comes only when the waiter lets go of the CPU,
+  //! and spinning made 4 KiB round trips 1.5x raw libzmq's, against 1.2x
+  //! without (benchmarks/zmq/bench_zmq.cpp under `taskset -c 0`).
   std::chrono::microseconds busy_poll{200};
   Curve curve;
 
@@ -357,6 +363,7 @@ class Zmq::link_type {
  public:
   link_type(const Zmq& settings, const TransportContext& ctx)
       : settings_(settings),
+        busy_poll_(::psx::detail::usable_cores() > 1 ? settings.busy_poll : std::chrono::microseconds(0)),
         ctx_(ctx),
         fingerprint_(::psx::detail::wire::fingerprint(ctx.num_servers, ctx.num_workers, ctx.variables)),
         zctx_(settings.io_threads) {
@@ -582,12 +589,17 @@ class Zmq::link_type {
       }
       if (undrained || done.ready()) continue;
       int ready = 0;
-      if (!spun && small && settings_.busy_poll.count() > 0) {
+      if (!spun && small && busy_poll_.count() > 0) {
         spun = true;
-        const auto until = clock::now() + settings_.busy_poll;
-        do {
+        const auto until = clock::now() + busy_poll_;
+        // Yielding between looks: the libzmq I/O thread that moves the
+        // answer may share this CPU (a process pinned to one), and a spin
+        // that kept it off would wait out its whole length.
+        for (;;) {
           ready = ::poll(fds.data(), fds.size(), 0);
-        } while (ready == 0 && clock::now() < until);
+          if (ready != 0 || clock::now() >= until) break;
+          std::this_thread::yield();
+        }
       }
       // Every wake-up is told (an answer on a socket, a finish on this
       // thread's eventfd); the timeout is a safety net, longer than a tick.
@@ -1534,6 +1546,7 @@ class Zmq::link_type {
   }
 
   Zmq settings_;
+  const std::chrono::microseconds busy_poll_;  // settings_.busy_poll, or none on one CPU
   TransportContext ctx_;
   std::uint64_t fingerprint_;
   // Callers in await, and their wake-ups (before zctx_: libzmq may let go
