@@ -544,8 +544,8 @@ class Zmq::link_type {
   //! the kernel's next tick (4 ms at 250 Hz) makes it reprogram the timer
   //! on going to sleep and again on waking, which on a virtual machine are
   //! two exits to the hypervisor: ~10 us of CPU and of latency per call on
-  //! the project's VM, where a 1 ms nap took 1 MiB pushes from 0.95x raw
-  //! libzmq to 0.91x (benchmarks/zmq/bench_zmq.cpp).
+  //! the project's VM, where a 1 ms nap held 1 MiB pushes at 0.91x raw
+  //! libzmq, against 0.94-0.95x without (each end on a CPU of its own).
   void await(std::size_t, Completion& done) {
     if (!worker_index_ || !lanes_) return;
     const std::size_t n = dealers_.size();
