@@ -76,6 +76,7 @@ class ParameterServer {
                          std::to_string(config.peer_timeout.count()) + " ms");
     core_->config = config;
     core_->clocks.assign(config.num_workers, 0);
+    placed_bytes_.assign(config.num_servers, 0);
   }
 
   ParameterServer(const ParameterServer&) = delete;
@@ -104,7 +105,6 @@ class ParameterServer {
     info.meta = detail::make_meta(spec, static_cast<std::uint32_t>(core_->variables.size()));
     info.init = spec.init;
     info.trainable = spec.trainable;
-    placed_bytes_.resize(config().num_servers, 0);
     if (info.meta.kind == VariableKind::dynamic) {
       place_table(info, spec.table);
     } else {
@@ -117,7 +117,8 @@ class ParameterServer {
     const VariableInfo& placed = core_->variables.back();
     // What each server holds so far, kept as variables come (placement_report's
     // sum, without a pass over every variable at each declare).
-    for (const Shard& sh : placed.shards) placed_bytes_[sh.server] += std::uint64_t{sh.rows()} * detail::row_bytes(placed.meta);
+    for (const Shard& sh : placed.shards)
+      placed_bytes_[sh.server] += std::uint64_t{sh.rows()} * detail::row_bytes(placed.meta);
     return placed;
   }
 
