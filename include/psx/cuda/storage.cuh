@@ -278,8 +278,8 @@ struct Device {
     // has ended.
     class op_guard {
      public:
-      explicit op_guard(const shard& s) : s_(s), unwinding_(std::uncaught_exceptions()) {
-        check(cudaGetDevice(&caller_device_), "psx::cuda::Device: cudaGetDevice");
+      explicit op_guard(const shard& s)
+          : s_(s), unwinding_(std::uncaught_exceptions()), caller_device_(current_device()) {
         if (caller_device_ != s.device_) check(cudaSetDevice(s.device_), "psx::cuda::Device: cudaSetDevice");
       }
       ~op_guard() {
@@ -292,7 +292,7 @@ struct Device {
      private:
       const shard& s_;
       int unwinding_;
-      int caller_device_ = 0;
+      int caller_device_;
     };
 
     static int current_device() {
