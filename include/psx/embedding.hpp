@@ -608,7 +608,8 @@ class DynamicTable {
     optimizer.update(std::span<float>(w, dim_), std::span<const float>(g, dim_), SlotView(bases.data(), slots_, 0, dim_),
                      ctx);
     m.updated = std::max(m.updated, step);
-    touch(m.used, step);
+    // The stripe is locked for writing: no pull's touch races this one.
+    if (m.used.load(std::memory_order_relaxed) < step) m.used.store(step, std::memory_order_relaxed);
   }
 
   // The ids of one call grouped by stripe (a counting sort), so that each

@@ -79,9 +79,12 @@ class RowAccumulator {
   }
 
   void clear() noexcept {
-    // Only the slots in use are emptied: a table once grown large costs a
-    // small request nothing.
-    if (!slots_.empty()) {
+    // A table a few times the rows in use is emptied whole (a memset is
+    // cheaper than finding each row again); only the slots in use of one
+    // once grown large, so that it costs a small request nothing.
+    if (slots_.size() <= 64 * rows_.size()) {
+      std::fill(slots_.begin(), slots_.end(), 0u);
+    } else if (!slots_.empty()) {
       const std::size_t mask = slots_.size() - 1;
       for (const std::uint64_t row : rows_) {
         std::size_t h = mix64(row) & mask;
