@@ -1222,6 +1222,40 @@ TEST_CASE("zmq: a call finished on another thread wakes the thread waiting for i
   tb.join();
 }
 
+TEST_CASE("zmq: a wait at a thread's exit, after its eventfd is closed, goes without one") {
+  // The destructor of a Handle held in a thread_local (or a static) made
+  // before the thread's first wait runs after the thread's eventfd is
+  // closed; a wait there must not poll, drain or register that descriptor
+  // (its number may be another file's by then).
+  using psx::transport::detail_zmq::Sleepers;
+  Sleepers sleepers;
+  psx::Completion a(1);
+  struct AtExit {
+    Sleepers* sleepers = nullptr;
+    const psx::Completion* done = nullptr;
+    int* waker = nullptr;  // 1: the wait at exit had an eventfd
+    ~AtExit() {
+      if (!sleepers) return;
+      const Sleepers::Entry e = sleepers->enter(*done);
+      *waker = e.waker != nullptr;
+      sleepers->leave(e);
+    }
+  };
+  int first = -1, at_exit = -1;
+  std::thread t([&] {
+    thread_local AtExit late;  // made before the eventfd, so destroyed after it
+    late.sleepers = &sleepers;
+    late.done = &a;
+    late.waker = &at_exit;
+    const Sleepers::Entry e = sleepers.enter(a);
+    first = e.waker != nullptr;
+    sleepers.leave(e);
+  });
+  t.join();
+  CHECK(first == 1);
+  CHECK(at_exit == 0);
+}
+
 TEST_CASE("zmq: the chief collects the counters of a server in another process") {
   with_one_server("zmq stats", [](auto& chief, const auto& w0, const auto&, const auto&) {
     psx::Worker w = chief.worker(0);

@@ -309,10 +309,19 @@ class Sleepers {
 
  private:
   // This thread's eventfd, made at its first wait and kept until it ends.
+  // A wait after it is gone (the destructor of a Handle held in a static or
+  // thread_local made before it, run at exit) goes without one: its
+  // descriptor is closed, and its number may be another file's by then.
   static Waker* own() noexcept {
+    thread_local bool gone = false;  // trivially destructible: readable to the end
+    struct Held {
+      Waker waker;
+      ~Held() { gone = true; }
+    };
+    if (gone) return nullptr;
     try {
-      thread_local Waker waker;
-      return &waker;
+      thread_local Held held;
+      return &held.waker;
     } catch (...) {  // out of descriptors: retried at the next wait
       return nullptr;
     }
