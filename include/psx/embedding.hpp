@@ -153,6 +153,11 @@ struct TableExport {
     };
     check(*this, "the export");
     check(delta, "the delta");
+    // Room for every row first: an allocation that fails below leaves the
+    // export whole (its ids and floats agree), partly merged; merging the
+    // same delta again then gives what one merge gives.
+    ids.reserve(ids.size() + delta.ids.size());
+    values.reserve((ids.size() + delta.ids.size()) * dim);
     std::unordered_map<std::uint64_t, std::size_t> at;
     at.reserve(ids.size());
     for (std::size_t k = 0; k < ids.size(); ++k) at.emplace(ids[k], k);
@@ -913,7 +918,15 @@ class DynamicTable {
                                    ? std::numeric_limits<std::uint64_t>::max()
                                    : step + sweep_every_;
     if (step < due || !next_sweep_.compare_exchange_strong(due, next, std::memory_order_relaxed)) return;
-    expire(step);
+    // The push is applied by now: a sweep that runs out of memory keeps the
+    // evictions made so far and is due again at the next push, and the push
+    // does not look failed (one retried would apply its gradients twice).
+    try {
+      expire(step);
+    } catch (const std::bad_alloc&) {
+      std::uint64_t mine = next;
+      next_sweep_.compare_exchange_strong(mine, due, std::memory_order_relaxed);
+    }
   }
 
   // Updated at step `updated`, not since: more than ttl_steps before `now`.

@@ -451,6 +451,101 @@ TEST_CASE("embedding: an allocation that fails during an eviction leaves the del
   CHECK(failures > 10);  // the loop reached the evictions' allocations
 }
 
+TEST_CASE("embedding: a push whose time-to-live sweep runs out of memory is applied, and swept at the next push") {
+  // The sweep runs after the push's rows are applied: its bad_alloc made
+  // the applied push throw (a push retried then applied its gradients
+  // twice), and the sweep waited for its next turn. Every allocation of the
+  // push fails in turn.
+  if (!psx_test::can_fail_allocations()) {
+    MESSAGE("skipped: allocations cannot be failed in this build (ThreadSanitizer)");
+    return;
+  }
+  const psx::optim::SGD sgd{.lr = 1.0};
+  std::size_t failed_sweeps = 0;
+  for (long n = 0;; ++n) {
+    INFO("allocation " << n);
+    TableOptions o;
+    o.stripes = 1;
+    o.ttl_steps = 2;
+    o.ttl_sweep_steps = 1;  // a sweep at every push
+    DynamicTable<psx::optim::SGD> t("emb", 1, psx::Initializer::constant(1.0f), o, sgd);
+    std::vector<std::uint64_t> old(20), kept(5);
+    for (std::uint64_t k = 0; k < old.size(); ++k) old[k] = k;
+    for (std::uint64_t k = 0; k < kept.size(); ++k) kept[k] = 100 + k;
+    push(t, sgd, old, 0.5f, 1, 1);
+    push(t, sgd, kept, 0.5f, 1, 1);  // every row 1 - 0.5
+    bool threw = false;
+    psx_test::fail_allocation(n);
+    try {
+      push(t, sgd, kept, 0.25f, 10, 1);  // its sweep evicts the 20 old rows
+    } catch (const std::bad_alloc&) {
+      threw = true;
+    }
+    psx_test::fail_allocation(-1);
+    // Applied exactly when the push returned.
+    for (const std::uint64_t id : kept) CHECK(pull(t, id, 1)[0] == (threw ? 0.5f : 0.25f));
+    const std::uint64_t evicted = t.stats().evicted_ttl;
+    if (!threw && evicted < old.size()) ++failed_sweeps;
+    if (!threw && evicted == old.size()) break;  // nothing failed
+    push(t, sgd, kept, 0.25f, 11, 1);  // the sweep is due again
+    CHECK(t.stats().evicted_ttl == old.size());
+    CHECK(t.stats().rows == kept.size());
+    for (const std::uint64_t id : old) CHECK_FALSE(t.contains(id));
+  }
+  CHECK(failed_sweeps > 0);  // the loop reached the sweep's allocations
+}
+
+TEST_CASE("embedding: a merge that runs out of memory leaves the export whole, and merging again completes it") {
+  // A delta's new row took its id and then failed to take its floats: the
+  // export's ids and floats disagreed, and every later merge refused it.
+  if (!psx_test::can_fail_allocations()) {
+    MESSAGE("skipped: allocations cannot be failed in this build (ThreadSanitizer)");
+    return;
+  }
+  const psx::optim::SGD sgd{.lr = 1.0};
+  TableOptions o;
+  o.stripes = 1;
+  o.ttl_steps = 2;
+  o.ttl_sweep_steps = 1'000'000;  // expire() alone evicts, when called
+  DynamicTable<psx::optim::SGD> t("emb", 2, psx::Initializer::constant(1.0f), o, sgd);
+  std::vector<std::uint64_t> first(30), second(40);
+  for (std::uint64_t k = 0; k < first.size(); ++k) first[k] = k;
+  for (std::uint64_t k = 0; k < second.size(); ++k) second[k] = 20 + k;
+  push(t, sgd, first, 0.5f, 1, 2);
+  const psx::TableExport base = t.export_rows();
+  push(t, sgd, second, 0.25f, 5, 2);  // 20..29 changed, 30..59 new
+  REQUIRE(t.expire(5) == 20);         // 0..19 removed
+  const psx::TableExport delta = t.export_rows(base.cursor);
+  REQUIRE(delta.ids.size() == 40);
+  REQUIRE(delta.removed.size() == 20);
+  psx::TableExport expected = base;
+  expected.merge(delta);
+  REQUIRE(expected.sorted() == t.export_rows().sorted());
+  std::size_t failures = 0;
+  for (long n = 0;; ++n) {
+    INFO("allocation " << n);
+    psx::TableExport e = base;
+    bool threw = false;
+    psx_test::fail_allocation(n);
+    try {
+      e.merge(delta);
+    } catch (const std::bad_alloc&) {
+      threw = true;
+    }
+    psx_test::fail_allocation(-1);
+    CHECK(e.values.size() == e.ids.size() * e.dim);
+    if (!threw) {
+      CHECK(e.sorted() == expected.sorted());
+      break;
+    }
+    ++failures;
+    CHECK_NOTHROW(e.merge(delta));
+    CHECK(e.sorted() == expected.sorted());
+    CHECK(e.cursor == expected.cursor);
+  }
+  CHECK(failures > 3);  // the loop reached the merge's allocations
+}
+
 TEST_CASE("embedding: a thread keeps no more than 16 MiB of a large call's working memory") {
   // The duplicate sums of a push were kept for the next call whatever their
   // size (up to 65536 ids of any width): 60000 rows of 256 floats left
