@@ -1023,6 +1023,29 @@ TEST_CASE("wire: sizes whose frame arithmetic would overflow are refused before 
         "psx: test, item 0: a 8796093022208-byte tensor, but only 8 bytes follow");
 }
 
+TEST_CASE("wire: answers asked for in all beyond the message limit are refused before anything is allocated") {
+  // Each item was held to the limit, not their sum: a million items naming
+  // one 64 MiB shard made a server allocate 64 TiB of answers.
+  psx::Request r;
+  r.op = psx::Op::pull;
+  std::vector<float> out(100);  // 400 bytes back per item
+  for (std::uint32_t k = 0; k < 11; ++k) {
+    psx::Item item;
+    item.variable = 1;
+    item.out = out;
+    r.items.push_back(item);
+  }
+  wire::Limits limits;
+  limits.max_message_bytes = 4400;
+  std::vector<wire::Segment> segs;
+  const auto h = wire::encode_request(r, {1, 2, 64}, segs);
+  std::vector<std::span<const std::byte>> frames = {h};
+  CHECK(wire::decode_request(frames, limits, "test").request.items.size() == 11);  // 4400 bytes: at the limit
+  limits.max_message_bytes = 4399;
+  CHECK(psx_test::message_of<psx::wire_error>([&] { (void)wire::decode_request(frames, limits, "test"); }) ==
+        "psx: test: items 0 to 10 ask for 4400 bytes back, over the message limit of 4399");
+}
+
 TEST_CASE("wire: a failure reason longer than a receiver takes is cut, not refused") {
   psx::Request r;
   r.op = psx::Op::fail;

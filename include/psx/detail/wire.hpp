@@ -402,6 +402,7 @@ inline Incoming decode_request(std::span<const std::span<const std::byte>> frame
   r.items.resize(items);
   in.outs.resize(items);
   std::size_t next = 1;
+  std::uint64_t reply_bytes = 0;  // what the server would allocate for the answers
   for (std::uint32_t i = 0; i < items; ++i) {
     const std::size_t at = request_fixed_bytes + std::size_t{item_bytes} * i;
     Item& item = r.items[i];
@@ -420,6 +421,13 @@ inline Incoming decode_request(std::span<const std::span<const std::byte>> frame
     if (o.count > limits.max_message_bytes / 4)
       throw wire_error("psx: " + std::string(where) + ": item " + std::to_string(i) + " asks for " +
                        std::to_string(o.count) + " elements back, over the message limit");
+    // And the whole reply: many items each within the limit (one shard named
+    // a million times) would make the server allocate without bound.
+    if (o.bytes() > limits.max_message_bytes - reply_bytes)
+      throw wire_error("psx: " + std::string(where) + ": items 0 to " + std::to_string(i) + " ask for " +
+                       std::to_string(reply_bytes + o.bytes()) + " bytes back, over the message limit of " +
+                       std::to_string(limits.max_message_bytes));
+    reply_bytes += o.bytes();
     item.ids = take_tensor<std::uint64_t>(frames, next, ids, in.head.chunk, in, where, i);
     item.in = take_tensor<float>(frames, next, ins, in.head.chunk, in, where, i);
   }
