@@ -304,6 +304,14 @@ class Server final : public RequestHandler {
     if (!item.positions.empty() && item.positions.size() != item.ids.size())
       throw wire_error("psx: " + where(r) + ": variable '" + name + "': " + std::to_string(item.ids.size()) +
                        " ids but " + std::to_string(item.positions.size()) + " positions");
+    // Whole rows, and without positions one per id: a buffer of another
+    // size is a malformed request (floats that would be ignored, or a
+    // table's refusal halfway through a pull of several items).
+    if (item.positions.empty() ? got != item.ids.size() * width : got % width != 0)
+      throw wire_error("psx: " + where(r) + ": variable '" + name + "': a buffer of " + std::to_string(got) +
+                       " elements, not " +
+                       (item.positions.empty() ? std::to_string(item.ids.size()) + " rows" : std::string("whole rows")) +
+                       " of " + std::to_string(width));
     const std::size_t buffer_rows = got / width;
     for (std::size_t j = 0; j < item.ids.size(); ++j) {
       const std::uint64_t id = item.ids[j];
@@ -351,6 +359,7 @@ class Server final : public RequestHandler {
       case Op::pull:
       case Op::pull_rows:
       case Op::read:
+        refuse_wrapping_clock(r);
         for (const Item& item : r.items) checked(r, item, r.op == Op::pull_rows, false);
         if (r.op != Op::read && !may_pull(r)) {
           parked_.push_back(std::move(r));
@@ -360,6 +369,7 @@ class Server final : public RequestHandler {
         break;
       case Op::push:
       case Op::push_rows:
+        refuse_wrapping_clock(r);
         push(r);
         advance();
         break;
@@ -844,6 +854,13 @@ class Server final : public RequestHandler {
     } else {
       (void)w;
     }
+  }
+
+  // A pull's or push's step is its clock + 1, counted from 1 (bias
+  // corrections divide by 1 - beta^step): the last clock would wrap it to 0.
+  void refuse_wrapping_clock(const Request& r) const {
+    if (r.clock == std::numeric_limits<std::uint64_t>::max())
+      throw wire_error("psx: " + where(r) + ": clock " + std::to_string(r.clock) + ", whose step would wrap to 0");
   }
 
   void tick_clock(const Request& r) {

@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <future>
 #include <memory>
 #include <mutex>
@@ -1145,8 +1146,29 @@ TEST_CASE("a server refuses requests it cannot trust, and keeps serving") {
   psx::Request ghost = op(psx::Op::pull, 0, 0);
   ghost.items.push_back({5, 0, {}, {}, {}, out, {}});
   CHECK(h.send(std::move(ghost)).find("which this server does not hold") != std::string::npos);
-  CHECK(h.server->stats().errors == 5);
-  CHECK(h.snapshot().size() == 14);
+  const std::vector<float> before = h.snapshot();
+  // Row buffers of whole rows, one per id where no positions say otherwise:
+  // the floats beyond them were ignored, and a table refused a pull halfway.
+  std::vector<std::uint64_t> ids = {3, 4};
+  std::vector<float> grads(6, 1.0f);
+  for (const std::size_t floats : {6, 5, 3}) {
+    psx::Request push = op(psx::Op::push_rows, 0, 0);
+    push.items.push_back({1, 1, ids, {}, std::span(grads).first(floats), {}, {}});
+    CHECK(h.send(std::move(push)) == "psx: server 0, request from worker 0: variable 'e': a buffer of " +
+                                         std::to_string(floats) + " elements, not 2 rows of 2");
+  }
+  std::vector<std::uint32_t> positions = {0, 1};
+  psx::Request placed = op(psx::Op::pull_rows, 0, 0);
+  placed.items.push_back({1, 1, ids, positions, {}, std::span(grads).first(5), {}});
+  CHECK(h.send(std::move(placed)) ==
+        "psx: server 0, request from worker 0: variable 'e': a buffer of 5 elements, not whole rows of 2");
+  // A step counts from 1 (clock + 1): the last clock would make it 0.
+  psx::Request wrapping = op(psx::Op::push_rows, 0, std::numeric_limits<std::uint64_t>::max());
+  wrapping.items.push_back({1, 1, ids, {}, std::span(grads).first(4), {}, {}});
+  CHECK(h.send(std::move(wrapping)) == "psx: server 0, request from worker 0: clock 18446744073709551615, whose "
+                                       "step would wrap to 0");
+  CHECK(h.server->stats().errors == 10);
+  CHECK(h.snapshot() == before);
 }
 
 TEST_CASE("a cancel finishes the kept pull it names (that worker's, that call) with an error, nothing else") {
