@@ -276,6 +276,11 @@ struct InProcess {
       // A tick due now is covered: either it moved sooner, or it is at or
       // after slept_until, which has passed too.
       const bool wake = in.closed || !in.items.empty() || in.next_tick < slept_until || now >= slept_until;
+      // A server thread spinning for work looks at `sent`, not the condition
+      // variable: requests left behind (one whose caller found the inbox
+      // taken, say) are counted there too, or it saw them only when its
+      // spin ended.
+      if (!in.items.empty()) in.sent.fetch_add(1, std::memory_order_release);
       lock.unlock();
       if (wake) in.cv.notify_one();
     }
