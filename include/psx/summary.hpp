@@ -498,10 +498,17 @@ class Writer {
     if (::gethostname(host, sizeof host - 1) != 0 || host[0] == '\0') std::strcpy(host, "localhost");
     char stamp[32];
     std::snprintf(stamp, sizeof stamp, "%010lld", static_cast<long long>(now));
-    path_ = logdir / ("events.out.tfevents." + std::string(stamp) + "." + host + "." + std::to_string(::getpid()) +
-                      "." + std::to_string(detail::next_event_file_number()) + options_.filename_suffix);
-    fd_ = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
-    if (fd_ < 0) throw summary_error("psx::summary: cannot open " + path_.string() + ": " + std::strerror(errno));
+    // A file of its own: another writer with the same host name and pid in
+    // the same second (containers with a fixed host name, each process pid
+    // 1) takes the next counter rather than appending to the other's file.
+    for (int attempt = 0;; ++attempt) {
+      path_ = logdir / ("events.out.tfevents." + std::string(stamp) + "." + host + "." + std::to_string(::getpid()) +
+                        "." + std::to_string(detail::next_event_file_number()) + options_.filename_suffix);
+      fd_ = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_APPEND | O_CLOEXEC, 0644);
+      if (fd_ >= 0) break;
+      if (errno != EEXIST || attempt == 1000)
+        throw summary_error("psx::summary: cannot create " + path_.string() + ": " + std::strerror(errno));
+    }
     std::string header;
     detail::append_record(header, detail::summary_event(now, 0, {}, "brain.Event:2"));
     try {
@@ -542,8 +549,10 @@ class Writer {
   }
   //! A histogram made elsewhere (counts already in buckets: `staleness_histogram`):
   //! as many counts as limits, limits strictly ascending, counts finite and
-  //! not negative, or summary_error (TensorBoard stops reading a file at a
-  //! histogram it cannot draw).
+  //! not negative, and when it counts anything (`num > 0`) a finite `min` at
+  //! most `max` (TensorBoard draws the outer buckets' edges from them), or
+  //! summary_error (TensorBoard stops reading a file at a histogram it cannot
+  //! draw).
   void histogram(std::string_view tag, const Histogram& h, std::int64_t step) {
     check_tag(tag);
     const auto bad = [&](const std::string& what) {
@@ -559,11 +568,18 @@ class Writer {
         throw bad("bucket limits not ascending at " + std::to_string(i) + " (" + std::to_string(h.bucket_limit[i - 1]) +
                   ", then " + std::to_string(h.bucket_limit[i]) + ")");
     }
+    if (h.num > 0 && !(std::isfinite(h.min) && std::isfinite(h.max) && h.min <= h.max))
+      throw bad("min " + std::to_string(h.min) + " and max " + std::to_string(h.max) + " of " + std::to_string(h.num) +
+                " values");
     append_event(step, detail::histogram_value(tag, h));
   }
-  //! Text for TensorBoard's text plugin (Markdown).
+  //! Text for TensorBoard's text plugin (Markdown), UTF-8 as the tag (the
+  //! plugin decodes it so: other bytes fail its view), or summary_error.
   void text(std::string_view tag, std::string_view text, std::int64_t step) {
     check_tag(tag);
+    if (const std::size_t at = detail::invalid_utf8_at(text); at != std::string_view::npos)
+      throw summary_error("psx::summary: the text of \"" + detail::escaped(tag) + "\" is not UTF-8 (byte " +
+                          std::to_string(at) + "); nothing written");
     append_event(step, detail::text_value(tag, text));
   }
 

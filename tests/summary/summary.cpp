@@ -302,6 +302,17 @@ TEST_CASE("summary: a tag that is not UTF-8, or a hand-made histogram TensorBoar
   auto inf = h;
   inf.bucket[1] = std::numeric_limits<double>::infinity();
   CHECK(refused(inf).find("bucket 1 counts") != std::string::npos);
+  // min and max draw the outer buckets' edges: finite, in order, once it counts anything.
+  auto backwards = h;
+  backwards.min = 3;
+  CHECK(refused(backwards).find("histogram \"h\": min 3.000000 and max 2.000000 of 3.000000 values") !=
+        std::string::npos);
+  auto unbounded = h;
+  unbounded.max = std::numeric_limits<double>::quiet_NaN();
+  CHECK(refused(unbounded).find("and max nan") != std::string::npos);
+  // Text is UTF-8 too: TensorBoard's text plugin decodes it so.
+  CHECK(psx_test::message_of<psx::summary_error>([&] { w.text("notes", "caf\xE9", 5); }) ==
+        "psx::summary: the text of \"notes\" is not UTF-8 (byte 3); nothing written");
   w.flush();
   CHECK(fs::file_size(w.path()) == size);  // nothing refused was written
   w.histogram("h", h, 6);                  // and the writer goes on
@@ -311,6 +322,38 @@ TEST_CASE("summary: a tag that is not UTF-8, or a hand-made histogram TensorBoar
   CHECK(events[1].values.at(0).tag == "λ/loss");
   CHECK(events[3].values.at(0).tag.empty());
   CHECK(events[4].values.at(0).histogram == h);
+}
+
+TEST_CASE("summary: a writer makes a file of its own, never appending to another's of the same name") {
+  // Two writers with the same host name and pid (containers with a fixed
+  // host name, each process pid 1) starting in the same second: the second
+  // appended its records to the first one's file.
+  TempDir dir("psx-summary");
+  char host[256] = {};
+  if (::gethostname(host, sizeof host - 1) != 0 || host[0] == '\0') std::strcpy(host, "localhost");
+  const auto now = std::chrono::duration_cast<std::chrono::seconds>(
+                       std::chrono::system_clock::now().time_since_epoch())
+                       .count();
+  const std::uint64_t next = psx::detail::next_event_file_number() + 1;
+  std::vector<fs::path> others;
+  for (long long second = now; second <= now + 1; ++second)  // the writer's second may be the next one
+    for (std::uint64_t n = next; n < next + 3; ++n) {
+      char stamp[32];
+      std::snprintf(stamp, sizeof stamp, "%010lld", second);
+      others.push_back(dir.path / ("events.out.tfevents." + std::string(stamp) + "." + host + "." +
+                                   std::to_string(::getpid()) + "." + std::to_string(n)));
+      std::ofstream(others.back()) << "other";
+    }
+  psx::SummaryWriter w(dir.path);
+  w.scalar("loss", 1, 1);
+  w.close();
+  for (const fs::path& p : others) {
+    CHECK(p != w.path());
+    CHECK(fs::file_size(p) == 5);  // as it was
+  }
+  const auto events = psx::summary::read_events(w.path());
+  REQUIRE(events.size() == 2);
+  CHECK(events[0].file_version == "brain.Event:2");
 }
 
 TEST_CASE("summary: reading back, the documented way") {
