@@ -161,7 +161,7 @@ inline constexpr char magic[8] = {'P', 'S', 'X', 'C', 'K', 'P', 'T', '\n'};
 inline constexpr std::size_t header_bytes = 64;
 enum class FileKind : std::uint32_t { manifest = 1, shards = 2, exported = 3 };
 inline constexpr const char* manifest_name = "manifest.psx";
-inline constexpr std::size_t max_name_bytes = 1 << 16;
+inline constexpr std::size_t max_name_bytes = ::psx::max_variable_name_bytes;
 
 inline std::string server_file_name(std::size_t s) {
   char buf[32];
@@ -671,6 +671,10 @@ inline Manifest decode_manifest(std::span<const std::byte> json, const Header& h
   if (m.step != h.step) fail(file, "its header says step " + std::to_string(h.step) + ", its body " + std::to_string(m.step));
   if (m.num_servers == 0 || m.files.size() != m.num_servers)
     fail(file, std::to_string(m.files.size()) + " shard files for " + std::to_string(m.num_servers) + " servers");
+  // As a shard record's (decode_index): reading a variable without a
+  // cluster (load_variable) sizes its buffers by this.
+  if (m.optimizer_slots > 64)
+    fail(file, "its optimizer keeps " + std::to_string(m.optimizer_slots) + " floats per parameter, more than 64");
   for (std::size_t s = 0; s < m.files.size(); ++s)
     if (m.files[s].name != server_file_name(s))
       fail(file, "shard file " + std::to_string(s) + " is named '" + m.files[s].name + "', expected '" +

@@ -290,6 +290,16 @@ TEST_CASE("checkpoint: every kind of damage is named, and a refused checkpoint c
     CHECK(m.find("manifest.psx") != std::string::npos);
     CHECK(m.find("written in checkpoint format 2; this psx reads formats 1 to 1") != std::string::npos);
   }
+  SUBCASE("a manifest whose optimizer slots would overflow a size, its CRC right") {
+    // load_variable sized its buffers by slots + 1: 2^64 - 1 slots divided by zero.
+    const fs::path d = fresh("slots");
+    auto m = psx::checkpoint::read_manifest(d);
+    m.optimizer_slots = std::numeric_limits<std::uint64_t>::max();
+    psx::checkpoint::detail::write_manifest(d, m);
+    CHECK_THROWS_WITH_AS(psx::checkpoint::load_variable(d, "w"),
+                         doctest::Contains("its optimizer keeps 18446744073709551615 floats per parameter, more than 64"),
+                         psx::checkpoint_error);
+  }
   SUBCASE("not a checkpoint at all") {
     const fs::path d = fresh("garbage");
     std::ofstream(d / "manifest.psx") << std::string(100, 'x');
