@@ -211,9 +211,13 @@ struct TableOptions {
   friend bool operator==(const TableOptions&, const TableOptions&) = default;
 };
 
+//! The longest variable name, in bytes: what checkpoints and exports store
+//! (a longer one was saved, and the checkpoint then never restored).
+inline constexpr std::size_t max_variable_name_bytes = std::size_t{1} << 16;
+
 //! What a user declares.
 struct VariableSpec {
-  //! Unique name; the partitioners and the initializer hash it.
+  //! Unique name, 1 to `max_variable_name_bytes` bytes; the partitioners and the initializer hash it.
   std::string name;
   //! Extents, row-major. The first extent is the row count (what sparse
   //! access and row partitioning index); the rest multiply into the row
@@ -361,6 +365,10 @@ inline VariableMeta make_dynamic_meta(const VariableSpec& spec, std::uint32_t id
 // Checks a spec and derives rows and row width; throws shape_error.
 inline VariableMeta make_meta(const VariableSpec& spec, std::uint32_t id) {
   if (spec.name.empty()) throw config_error("psx: a variable needs a non-empty name");
+  if (spec.name.size() > max_variable_name_bytes)
+    throw config_error("psx: a variable name of " + std::to_string(spec.name.size()) + " bytes (\"" +
+                       spec.name.substr(0, 32) + "...\"), over the limit of " +
+                       std::to_string(max_variable_name_bytes) + " that checkpoints and exports store");
   if (spec.kind == VariableKind::dynamic) return make_dynamic_meta(spec, id);
   if (spec.kind == VariableKind::sparse && spec.shape.size() != 2)
     throw shape_error("psx: sparse variable '" + spec.name + "' needs a shape [rows, dim], got " +

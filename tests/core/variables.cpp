@@ -84,6 +84,12 @@ TEST_CASE("variable specs are checked") {
           psx::detail::make_meta({"e", {10}, psx::VariableKind::sparse}, 0);
         }).find("sparse variable 'e' needs a shape [rows, dim], got [10]") != std::string::npos);
   CHECK_THROWS_AS(psx::detail::make_meta(psx::dense("", {1}), 0), psx::config_error);
+  // Names as long as checkpoints store, no longer (one was saved, and then never restored).
+  CHECK(psx::detail::make_meta(psx::dense(std::string(psx::max_variable_name_bytes, 'n'), {1}), 0).name.size() ==
+        65536);
+  CHECK(message_of<psx::config_error>([] {
+          psx::detail::make_meta(psx::dense(std::string(psx::max_variable_name_bytes + 1, 'n'), {1}), 0);
+        }).find("a variable name of 65537 bytes (\"nnn") != std::string::npos);
   CHECK_THROWS_AS(psx::detail::make_meta(psx::dense("huge", {1ull << 40, 1ull << 40}), 0), psx::shape_error);
 
   const auto m = psx::detail::make_meta(psx::dense("w", {4, 3, 2}), 7);
