@@ -1,4 +1,10 @@
 // Export for inference (psx/export.hpp) and magnitude pruning (psx/pruning.hpp).
+// The cluster spec's header comes first on purpose: it includes RapidJSON,
+// and the JSON checks of export metadata must not depend on the order of
+// psx's headers ("export: metadata.json ..." below).
+#if __has_include(<rapidjson/document.h>)
+#include <psx/transport/cluster_spec.hpp>
+#endif
 #include <psx/export.hpp>
 #include <psx/psx.hpp>
 
@@ -160,6 +166,35 @@ TEST_CASE("export: an existing version is never overwritten, and a damaged model
   fs::resize_file(model, 20);
   CHECK_THROWS_WITH_AS(psx::load_export(base.path / "1"), doctest::Contains("model.psx: truncated"), psx::checkpoint_error);
   CHECK_THROWS_WITH_AS(psx::load_export(base.path / "nothing"), doctest::Contains("holds neither model.psx nor a version"),
+                       psx::checkpoint_error);
+}
+
+TEST_CASE("export: metadata.json with a field of the wrong type is named, whichever psx header came first") {
+  // With psx/transport/cluster_spec.hpp included before psx/export.hpp,
+  // RapidJSON's assertions were plain asserts: this file aborted the
+  // program (a read of the wrong bits under NDEBUG).
+  TempDir base("metadata");
+  SGDCluster ps({1, 1}, {}, {}, {1.0});
+  ps.declare(psx::dense("w", {4}));
+  ps.run([&](psx::Worker& w) {
+    psx::ExportOptions o;
+    o.base = base.path;
+    psx::export_model(ps, w, o);
+  });
+  const fs::path version = *fs::directory_iterator(base.path);
+  const fs::path meta = version / "metadata.json";
+  std::string json;
+  {
+    std::ifstream in(meta);
+    json.assign(std::istreambuf_iterator<char>(in), {});
+  }
+  const auto at = json.find("\"step\": ");
+  REQUIRE(at != std::string::npos);
+  const auto digits = json.find_first_not_of("0123456789", at + 8);
+  json.replace(at + 8, digits - (at + 8), "\"one\"");
+  fs::permissions(meta, fs::perms::owner_write, fs::perm_options::add);
+  std::ofstream(meta, std::ios::trunc) << json;
+  CHECK_THROWS_WITH_AS(psx::load_export(version), doctest::Contains("metadata.json: bad metadata"),
                        psx::checkpoint_error);
 }
 

@@ -13,6 +13,18 @@
 
 #include <psx/errors.hpp>
 
+// cereal's JSON archive (checkpoint manifests, export metadata) relies on
+// RapidJSON's assertions throwing: it defines RAPIDJSON_ASSERT so, and its
+// parse and write flags, unless they are defined already. Had this header
+// included RapidJSON first, RapidJSON's defaults won (a plain assert) for the
+// whole translation unit: a checkpoint with a field of the wrong type
+// aborted the program, or under NDEBUG was read from the wrong bits. Where
+// cereal is installed, its archive comes first, so RapidJSON is configured
+// alike whichever psx header a program includes first.
+#if __has_include(<cereal/archives/json.hpp>)
+#include <cereal/archives/json.hpp>
+#endif
+
 #include <rapidjson/document.h>
 #include <rapidjson/error/en.h>
 #include <rapidjson/stringbuffer.h>
