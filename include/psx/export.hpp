@@ -145,6 +145,7 @@ struct ExportMetadata {
       ar(CEREAL_NVP(name), CEREAL_NVP(shape), CEREAL_NVP(dtype), CEREAL_NVP(quantization), CEREAL_NVP(trainable),
          CEREAL_NVP(sparse), CEREAL_NVP(stored));
     }
+    friend bool operator==(const Tensor&, const Tensor&) = default;
   };
   std::vector<Tensor> tensors;
   std::vector<std::string> files;
@@ -745,13 +746,16 @@ inline Export load_export(const std::filesystem::path& path, const LoadOptions& 
   namespace fs = std::filesystem;
   namespace ck = checkpoint::detail;
   fs::path dir = path;
-  if (!fs::exists(dir / "model.psx")) {
+  std::error_code exists_error;
+  if (!fs::exists(dir / "model.psx", exists_error)) {  // an unreadable directory: named below
     // The highest version: a directory named by a number of up to 2^64 - 1
     // (a name of digits beyond it is not a version).
     std::optional<std::pair<std::uint64_t, std::string>> best;
     std::error_code ec;
-    for (const auto& e : fs::directory_iterator(path, ec)) {
-      const std::string name = e.path().filename().string();
+    // Each step with an error code: a directory that cannot be listed is
+    // named below, not thrown as filesystem_error.
+    for (fs::directory_iterator it(path, ec), last; !ec && it != last; it.increment(ec)) {
+      const std::string name = it->path().filename().string();
       if (name.empty() || !std::all_of(name.begin(), name.end(), [](char c) { return c >= '0' && c <= '9'; }))
         continue;
       std::uint64_t v = 0;
@@ -759,7 +763,9 @@ inline Export load_export(const std::filesystem::path& path, const LoadOptions& 
       if (err != std::errc() || end != name.data() + name.size()) continue;
       if (!best || v > best->first) best.emplace(v, name);
     }
-    if (!best) ck::fail(path, "holds neither model.psx nor a version directory");
+    if (!best)
+      ck::fail(path, "holds neither model.psx nor a version directory" + (ec ? " (" + ec.message() + ")" : std::string()));
+    if (ec) ck::fail(path, "could not be listed to the end: " + ec.message());
     dir = path / best->second;
   }
   Export out;
@@ -785,6 +791,24 @@ inline Export load_export(const std::filesystem::path& path, const LoadOptions& 
     ck::fail(meta_file, std::string("bad metadata: ") + e.what());
   }
   if (out.metadata.step != h.step) ck::fail(meta_file, "is of step " + std::to_string(out.metadata.step) + ", model.psx of step " + std::to_string(h.step));
+  if (out.metadata.format_version != ExportMetadata{}.format_version)
+    ck::fail(meta_file, "is in export format " + std::to_string(out.metadata.format_version) + "; this psx reads format " +
+                            std::to_string(ExportMetadata{}.format_version));
+  // metadata.json has no checksum of its own: what it says of each tensor
+  // must be what model.psx (checked) holds.
+  if (out.metadata.tensors.size() != out.tensors.size())
+    ck::fail(meta_file, "lists " + std::to_string(out.metadata.tensors.size()) + " tensors, model.psx holds " +
+                            std::to_string(out.tensors.size()));
+  for (std::size_t i = 0; i < out.tensors.size(); ++i) {
+    const ExportedTensor& t = out.tensors[i];
+    const ExportMetadata::Tensor held{t.name,    t.shape,     t.dtype, t.quantization, t.trainable,
+                                      t.sparse, t.sparse ? t.indices.size() : t.elements()};
+    if (out.metadata.tensors[i] != held)
+      ck::fail(meta_file, "says tensor " + std::to_string(i) + " is '" + out.metadata.tensors[i].name + "' " +
+                              ck::shape_text(out.metadata.tensors[i].shape) + " " + out.metadata.tensors[i].dtype +
+                              ", model.psx holds '" + t.name + "' " + ck::shape_text(t.shape) + " " + t.dtype +
+                              " (or their quantization, trainable, sparse or stored count differ)");
+  }
   if (options.dequantize)
     for (ExportedTensor& t : out.tensors) {
       std::vector<float> f = t.to_float();

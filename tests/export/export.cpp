@@ -198,6 +198,43 @@ TEST_CASE("export: metadata.json with a field of the wrong type is named, whiche
                        psx::checkpoint_error);
 }
 
+TEST_CASE("export: metadata.json that says other than model.psx holds is refused") {
+  // metadata.json has no checksum: a tensor's shape or dtype there was
+  // returned as it said, whatever model.psx held.
+  TempDir base("metadata");
+  SGDCluster ps({1, 1}, {}, {}, {1.0});
+  ps.declare(psx::dense("w", {4, 2}));
+  ps.declare(psx::dense("b", {2}));
+  ps.run([&](psx::Worker& w) {
+    psx::ExportOptions o;
+    o.base = base.path;
+    psx::export_model(ps, w, o);
+  });
+  const fs::path version = *fs::directory_iterator(base.path);
+  const fs::path meta = version / "metadata.json";
+  std::string original;
+  {
+    std::ifstream in(meta);
+    original.assign(std::istreambuf_iterator<char>(in), {});
+  }
+  fs::permissions(meta, fs::perms::owner_write, fs::perm_options::add);
+  auto edited = [&](const std::string& from, const std::string& to) {
+    std::string json = original;
+    const auto at = json.find(from);
+    REQUIRE(at != std::string::npos);
+    json.replace(at, from.size(), to);
+    std::ofstream(meta, std::ios::trunc) << json;
+    return psx_test::message_of<psx::checkpoint_error>([&] { (void)psx::load_export(version); });
+  };
+  CHECK(edited("\"format_version\": 1", "\"format_version\": 2")
+            .find("metadata.json: is in export format 2; this psx reads format 1") != std::string::npos);
+  CHECK(edited("\"float32\"", "\"int8\"").find("metadata.json: says tensor 0 is 'w' [4, 2] int8, model.psx holds 'w' "
+                                                   "[4, 2] float32") != std::string::npos);
+  CHECK(edited("\"trainable\": true", "\"trainable\": false").find("says tensor 0") != std::string::npos);
+  std::ofstream(meta, std::ios::trunc) << original;
+  CHECK(psx::load_export(version).metadata.tensors.size() == 2);
+}
+
 TEST_CASE("export: a variable named like another's scales is refused before anything is written") {
   TempDir base("psx-export-collide");
   SGDCluster ps({1, 1}, {}, {}, {1.0});
