@@ -1179,28 +1179,41 @@ template <class PS>
 std::uint64_t restore(const PS& ps, Worker& w, const std::filesystem::path& dir) {
   if (dir.empty()) throw checkpoint_error("psx: checkpoint::restore: the checkpoint path is empty");
   const std::filesystem::path abs_dir = std::filesystem::absolute(dir);
-  const Manifest m = detail::load_manifest(abs_dir);
+  // Only the chief reads the manifest, and everyone learns its step: a
+  // worker that could not read it (a host that does not see the shared
+  // directory) once threw while the others waited at the barrier for ever.
+  std::optional<Manifest> m;
+  std::exception_ptr unread;
+  if (w.is_chief()) {
+    try {
+      m = detail::load_manifest(abs_dir);
+    } catch (...) {
+      unread = std::current_exception();
+    }
+  }
   // Every worker is here, none still in its last step: the servers' clocks
   // are about to be set to the checkpoint's step (without this, a restore
   // called during a run could hang a slower worker).
   w.barrier();
   // Everyone learns whether it was restored.
   detail::on_chief(w, "restore " + abs_dir.string() + "; nothing changed", [&] {
-    detail::check_compatible(m, abs_dir, ::psx::detail::WorkerAccess::variables(w), ps.optimizer().slots(),
+    if (unread) std::rethrow_exception(unread);
+    detail::check_compatible(*m, abs_dir, ::psx::detail::WorkerAccess::variables(w), ps.optimizer().slots(),
                              detail::describe(ps.optimizer()));
     try {
-      ::psx::detail::WorkerAccess::call_every_server(w, Op::restore, m.step, abs_dir.string());
+      ::psx::detail::WorkerAccess::call_every_server(w, Op::restore, m->step, abs_dir.string());
     } catch (...) {
       try {  // servers that read their part drop it
-        ::psx::detail::WorkerAccess::call_every_server(w, Op::restore, m.step, "-");
+        ::psx::detail::WorkerAccess::call_every_server(w, Op::restore, m->step, "-");
       } catch (...) {
       }
       throw;
     }
-    ::psx::detail::WorkerAccess::call_every_server(w, Op::restore, m.step, "");
+    ::psx::detail::WorkerAccess::call_every_server(w, Op::restore, m->step, "");
   });
-  ::psx::detail::WorkerAccess::set_clock(w, m.step);
-  return m.step;
+  const std::uint64_t step = w.agree_max(m ? m->step : 0);
+  ::psx::detail::WorkerAccess::set_clock(w, step);
+  return step;
 }
 
 //! When and where to save, and how many checkpoints to keep.
@@ -1238,12 +1251,16 @@ class Manager {
   //! Collective, before training: restores the newest complete checkpoint
   //! and returns its step, or returns 0 and changes nothing when there is none.
   std::uint64_t restore_or_init(Worker& w) {
-    const auto found = latest();
-    if (!found) {
-      w.barrier();  // the chief's view and everyone's agree before training
-      return 0;
-    }
-    return restore(*ps_, w, found->path);
+    // The chief's view decides, and everyone learns it: workers that each
+    // looked for themselves could see different newest checkpoints (one
+    // written meanwhile, a host's stale view of a shared directory), and
+    // one restoring while another went on to train called the collectives
+    // out of step.
+    std::optional<Info> found;
+    if (w.is_chief()) found = latest();
+    if (w.agree_max(found ? 1 : 0) == 0) return 0;
+    const std::uint64_t step = w.agree_max(found ? found->step : 0);
+    return restore(*ps_, w, found ? found->path : options_.directory / detail::checkpoint_dir_name(step));
   }
 
   //! Collective, after `w.step()`: saves when the clock is a multiple of

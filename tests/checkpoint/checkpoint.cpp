@@ -550,6 +550,46 @@ TEST_CASE("checkpoint: Manager saves every N steps, keeps the last ones and resu
   check_same_state(dir_of(straight.path, 16), dir_of(root.path, 16));
 }
 
+TEST_CASE("checkpoint: the chief's view of the checkpoints decides a restore, whatever the other workers see") {
+  // Each worker once read the directory itself: one that saw no checkpoint
+  // (or could not read the manifest) went on while the chief restored, and
+  // the collectives of the two no longer matched (a hang).
+  Watchdog dog("chief's view");
+  TempDir root("views"), empty("views-empty");
+  train(psx::optim::Adam{.lr = 0.01}, 2, 4, {}, root.path);
+  using PS = Cluster<psx::optim::Adam>;
+  {
+    PS ps({2, kWorkers}, {}, {}, {.lr = 0.01});
+    declare(ps);
+    std::vector<psx::checkpoint::Manager<PS>> managers;
+    for (std::size_t k = 0; k < kWorkers; ++k)  // worker 0, the chief, sees the checkpoint; the others an empty directory
+      managers.emplace_back(ps, psx::checkpoint::Options{.directory = k == 0 ? root.path : empty.path});
+    std::vector<std::uint64_t> resumed(kWorkers, 99);
+    ps.run([&](psx::Worker& w) { resumed[w.index()] = managers[w.index()].restore_or_init(w); });
+    CHECK(resumed == std::vector<std::uint64_t>(kWorkers, 4));
+  }
+  {
+    PS ps({2, kWorkers}, {}, {}, {.lr = 0.01});
+    declare(ps);
+    std::vector<std::uint64_t> resumed(kWorkers, 99);
+    ps.run([&](psx::Worker& w) {
+      resumed[w.index()] = psx::checkpoint::restore(ps, w, w.is_chief() ? dir_of(root.path, 4) : empty.path / "nowhere");
+      CHECK(w.clock() == 4);
+    });
+    CHECK(resumed == std::vector<std::uint64_t>(kWorkers, 4));
+  }
+  {  // and the chief seeing none: nobody restores
+    PS ps({2, kWorkers}, {}, {}, {.lr = 0.01});
+    declare(ps);
+    std::vector<psx::checkpoint::Manager<PS>> managers;
+    for (std::size_t k = 0; k < kWorkers; ++k)
+      managers.emplace_back(ps, psx::checkpoint::Options{.directory = k == 0 ? empty.path : root.path});
+    std::vector<std::uint64_t> resumed(kWorkers, 99);
+    ps.run([&](psx::Worker& w) { resumed[w.index()] = managers[w.index()].restore_or_init(w); });
+    CHECK(resumed == std::vector<std::uint64_t>(kWorkers, 0));
+  }
+}
+
 TEST_CASE("crc32c: the three-lane hardware version equals the table version, and both the standard check values") {
   const char* check = "123456789";
   const auto nine = std::as_bytes(std::span(check, 9));
