@@ -47,7 +47,12 @@ namespace detail {
 inline float int8_scale(std::span<const float> x) noexcept {
   float m = 0.0f;
   for (float v : x) m = std::fmax(m, std::fabs(v));
-  return m > 0.0f ? std::fmax(m / 127.0f, FLT_MIN) : 1.0f;
+  if (!(m > 0.0f)) return 1.0f;
+  float s = std::fmax(m / 127.0f, FLT_MIN);
+  // FLT_MAX / 127 rounds up, and 127 times it is infinite: one step down
+  // keeps a finite parameter finite when dequantized (still 127 quantized).
+  if (std::isfinite(s) && std::isinf(127.0f * s)) s = std::nextafter(s, 0.0f);
+  return s;
 }
 
 inline std::int8_t quantize_int8_one(float x, float scale) noexcept {

@@ -676,6 +676,10 @@ TEST_CASE("cuda: int8 quantization equals psx::quantize_int8") {
   const std::vector<float> tiny{5.04e-44f, -2.0e-44f, 0.0f, 1.0e-37f, -3.0e-38f, 1.5e-45f};
   check_int8(tiny, 2, 3, true, 0, "int8 tiny");
   check_int8(tiny, 2, 3, false, 0, "int8 tiny, per tensor");
+  // max |x| = FLT_MAX: the scale one step below FLT_MAX / 127, as on the host.
+  const std::vector<float> huge{FLT_MAX, -FLT_MAX, 1.0f, 2.0f};
+  check_int8(huge, 2, 2, true, 0, "int8 FLT_MAX");
+  check_int8(huge, 2, 2, false, 0, "int8 FLT_MAX, per tensor");
   CHECK_THROWS_AS(psx::quantize_int8(ties, 3, 3, false), psx::shape_error);
 }
 

@@ -749,6 +749,19 @@ TEST_CASE("quantize: int8 symmetric per tensor and per channel, against hand-com
   std::vector<float> n_back(2);
   psx::dequantize(n, n_back);
   CHECK(n_back == std::vector<float>{FLT_MIN, -FLT_MIN});
+  // max |x| = FLT_MAX: FLT_MAX / 127 rounds up, and 127 times it was
+  // infinite (a finite parameter dequantized to inf); one step down keeps it
+  // finite, 127 still.
+  const std::vector<float> huge{FLT_MAX, -FLT_MAX, 1.0f};
+  const psx::QuantizedInt8 hq = psx::quantize_int8(huge, 1, 3, false);
+  CHECK(hq.scales[0] == std::nextafter(FLT_MAX / 127.0f, 0.0f));
+  CHECK(std::vector<int>(hq.values.begin(), hq.values.end()) == std::vector<int>{127, -127, 0});
+  std::vector<float> huge_back(3);
+  psx::dequantize(hq, huge_back);
+  CHECK(std::isfinite(huge_back[0]));
+  CHECK(huge_back[0] == 127.0f * hq.scales[0]);
+  CHECK(huge_back[1] == -huge_back[0]);
+  CHECK(huge_back[0] > 0.999999f * FLT_MAX);  // within a part in a million of FLT_MAX
 }
 
 }  // namespace

@@ -123,8 +123,13 @@ __device__ __forceinline__ std::int8_t quantize_one(float x, float scale) {
   if (r != r) return 0;
   return static_cast<std::int8_t>(fminf(fmaxf(r, -127.0f), 127.0f));
 }
+// psx::detail::int8_scale's scale, bit for bit (one step down where 127
+// times it would be infinite: max |x| = FLT_MAX).
 __device__ __forceinline__ float scale_of(float max_abs) {
-  return max_abs > 0.0f ? fmaxf(fp::div(max_abs, 127.0f), FLT_MIN) : 1.0f;
+  if (!(max_abs > 0.0f)) return 1.0f;
+  float s = fmaxf(fp::div(max_abs, 127.0f), FLT_MIN);
+  if (isfinite(s) && isinf(fp::mul(127.0f, s))) s = nextafterf(s, 0.0f);
+  return s;
 }
 
 // Per tensor, pass 1: max |x| (NaN ignored, as fmax does) into *max_bits; the
