@@ -907,6 +907,17 @@ class Server final : public RequestHandler {
     const OnWorkerLost outcome = sync_.on_worker_lost(w, server_clock());
     gone_[w] = Gone::lost;
     lost_reason_[w] = reason;
+    // A barrier part the lost worker left here would stand in for a live
+    // worker (the barrier counts parts): it goes, finished with the loss.
+    for (auto it = barrier_.begin(); it != barrier_.end();) {
+      if (it->worker != w) {
+        ++it;
+        continue;
+      }
+      it->finish(std::make_exception_ptr(peer_lost("psx: server " + std::to_string(index_) + ": worker " +
+                                                   std::to_string(w) + " was lost (" + reason + ")")));
+      it = barrier_.erase(it);
+    }
     recount();
     if (outcome == OnWorkerLost::fail) {
       fail([&] {

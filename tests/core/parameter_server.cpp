@@ -1088,7 +1088,7 @@ template <class Sync = psx::sync::Synchronous>
 struct HandServer {
   std::vector<psx::VariableInfo> vars;
   std::unique_ptr<psx::Server<Sync, psx::optim::SGD>> server;
-  explicit HandServer(Sync sync = {}) {
+  explicit HandServer(Sync sync = {}, std::size_t workers = 2) {
     psx::VariableInfo x;
     x.meta = psx::detail::make_meta(psx::dense("x", {4}), 0);
     x.shards = {{0, 0, 4}};
@@ -1097,7 +1097,7 @@ struct HandServer {
     e.meta = psx::detail::make_meta(psx::sparse("e", 8, 2), 1);
     e.shards = {{1, 0, 3}, {0, 3, 8}};
     vars.push_back(e);
-    server = std::make_unique<psx::Server<Sync, psx::optim::SGD>>(0, 2, vars, sync, psx::optim::SGD{1.0f});
+    server = std::make_unique<psx::Server<Sync, psx::optim::SGD>>(0, workers, vars, sync, psx::optim::SGD{1.0f});
   }
   // Handles `r` and returns the error it finished with ("" if none).
   std::string send(psx::Request r) {
@@ -1261,6 +1261,31 @@ TEST_CASE("a save request without a directory is refused") {
   HandServer<psx::sync::Asynchronous> h;
   CHECK(h.send(op(psx::Op::save, 0)) ==
         "psx: server 0, request from worker 0: a save request names no checkpoint directory");
+}
+
+TEST_CASE("a lost worker's barrier part does not stand in for a live worker") {
+  // The barrier counted parts: with workers 0 and 1 waiting in it and 1
+  // lost, two parts for two live workers let 0 through without 2.
+  HandServer<> h({psx::sync::Aggregate::mean, psx::OnWorkerLost::shrink}, 3);
+  auto barrier = [&](std::uint32_t w) {
+    psx::Request r = op(psx::Op::barrier, w);
+    auto done = std::make_shared<psx::Completion>(1);
+    r.done = done;
+    h.server->handle(std::move(r));
+    return done;
+  };
+  const auto b0 = barrier(0), b1 = barrier(1);
+  CHECK_FALSE(b0->ready());
+  psx::Request fail = op(psx::Op::fail, 1);
+  fail.reason = "its function threw";
+  CHECK(h.send(std::move(fail)).empty());
+  REQUIRE(b1->ready());
+  CHECK(message_of<psx::peer_lost>([&] { b1->wait(); }) ==
+        "psx: server 0: worker 1 was lost (its function threw)");
+  CHECK_FALSE(b0->ready());  // still waiting for worker 2
+  const auto b2 = barrier(2);
+  CHECK(b0->ready());
+  CHECK(b2->ready());
 }
 
 TEST_CASE("a worker declared lost is told so when it comes back") {
