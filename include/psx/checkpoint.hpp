@@ -1166,15 +1166,19 @@ Info save(const PS& ps, Worker& w, const std::filesystem::path& root) {
 //! Restores the checkpoint in `dir` into the cluster, whatever its number of
 //! servers and partitioner, and sets every worker's clock to its step;
 //! returns the step. Collective: every worker calls it before training
-//! (each reads the manifest; the chief has every server load its shards).
+//! (the chief reads the manifest and has every server load its shards; the
+//! others learn the step from it).
 //!
-//! All or nothing: the chief checks the manifest against the declared
-//! variables and every shard file's header and size; then every server
-//! reads what its shards need and checks every CRC, keeping it aside; only
-//! when all of them could does the chief have them apply it. A checkpoint
-//! refused at any point changes nothing anywhere (no clock either) and
-//! throws on every worker: on the chief the checkpoint_error naming the
-//! file and the problem, on the others one saying the chief could not.
+//! All or nothing up to the last step: the chief checks the manifest
+//! against the declared variables and every shard file's header and size;
+//! then every server reads what its shards need and checks every CRC,
+//! keeping it aside; only when all of them could does the chief have them
+//! apply it. A checkpoint refused before that changes nothing anywhere (no
+//! clock either); a server failing while it applies (a ZeroMQ server
+//! restarted meanwhile, a device error) leaves the servers before it on
+//! the checkpoint (restore again). A failure throws on every worker: on the
+//! chief the checkpoint_error naming the file and the problem, on the
+//! others one saying the chief could not.
 template <class PS>
 std::uint64_t restore(const PS& ps, Worker& w, const std::filesystem::path& dir) {
   if (dir.empty()) throw checkpoint_error("psx: checkpoint::restore: the checkpoint path is empty");
@@ -1196,7 +1200,7 @@ std::uint64_t restore(const PS& ps, Worker& w, const std::filesystem::path& dir)
   // called during a run could hang a slower worker).
   w.barrier();
   // Everyone learns whether it was restored.
-  detail::on_chief(w, "restore " + abs_dir.string() + "; nothing changed", [&] {
+  detail::on_chief(w, "restore " + abs_dir.string(), [&] {
     if (unread) std::rethrow_exception(unread);
     detail::check_compatible(*m, abs_dir, ::psx::detail::WorkerAccess::variables(w), ps.optimizer().slots(),
                              detail::describe(ps.optimizer()));
