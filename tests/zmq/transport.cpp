@@ -291,6 +291,37 @@ TEST_CASE("zmq: the cluster spec must match ClusterConfig") {
         "psx: the cluster spec has 1 ps and 1 workers (chief included), ClusterConfig says 2 servers and 1 workers");
 }
 
+TEST_CASE("zmq: settings out of range are refused at start, naming the setting") {
+  // start_timeout = milliseconds::max() ("for ever") overflowed every
+  // deadline: every peer lost at once; a negative io_threads made libzmq
+  // assert; an allow-list key that could never match (40 characters, not
+  // Z85) refused every client with no word why.
+  TempDir dir;
+  auto refused = [&](const std::function<void(Zmq&)>& adjust) {
+    Zmq z = settings(spec(1, 1, false, dir.path), "ps", 0, dir.path);
+    adjust(z);
+    ZmqCluster<psx::partition::HashByName, psx::sync::Synchronous, psx::optim::SGD> cluster({1, 1}, {}, {}, {}, z);
+    return psx_test::message_of<psx::config_error>([&] { cluster.start(); });
+  };
+  CHECK(refused([](Zmq& z) { z.start_timeout = std::chrono::milliseconds::max(); }) ==
+        "psx: Zmq::start_timeout must be from 1 ms to 366 days, got 9223372036854775807 ms");
+  CHECK(refused([](Zmq& z) { z.start_timeout = std::chrono::milliseconds(0); }).find("got 0 ms") != std::string::npos);
+  CHECK(refused([](Zmq& z) { z.io_threads = -1; }) == "psx: Zmq::io_threads must be from 1 to 1024, got -1");
+  CHECK(refused([](Zmq& z) { z.io_threads = 0; }).find("got 0") != std::string::npos);
+  const auto [server_pub, server_sec] = psx::transport::Curve::keypair();
+  const auto [client_pub, client_sec] = psx::transport::Curve::keypair();
+  CHECK(refused([&](Zmq& z) {
+          z.curve.server_public_key = server_pub;
+          z.curve.server_secret_key = server_sec;
+          z.curve.allowed_clients = {client_pub, std::string(40, '~')};
+        }) == "psx: Curve::allowed_clients[1] is not Z85 (40 characters of its alphabet)");
+  CHECK(refused([&](Zmq& z) {
+          z.curve.server_public_key = server_pub;
+          z.curve.server_secret_key = server_sec;
+          z.curve.allowed_clients = {client_pub + "\n"};
+        }) == "psx: Curve::allowed_clients[0] must be 40 Z85 characters, got 41");
+}
+
 namespace {
 
 namespace wire = psx::detail::wire;

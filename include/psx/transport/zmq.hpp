@@ -337,10 +337,12 @@ inline std::string z85_of(const void* key32) {
   return text;
 }
 
-inline void check_key(const std::string& key, const char* what) {
+inline void check_key(const std::string& key, const std::string& what) {
   if (key.size() != 40)
-    throw config_error(std::string("psx: Curve::") + what + " must be 40 Z85 characters, got " +
-                       std::to_string(key.size()));
+    throw config_error("psx: Curve::" + what + " must be 40 Z85 characters, got " + std::to_string(key.size()));
+  std::uint8_t bytes[32];
+  if (zmq_z85_decode(bytes, key.c_str()) == nullptr)
+    throw config_error("psx: Curve::" + what + " is not Z85 (40 characters of its alphabet)");
 }
 
 // zmq::poll, with a signal's EINTR counted as "nothing ready" (a profiler's
@@ -370,23 +372,37 @@ class Zmq::link_type {
   static constexpr std::size_t busy_poll_max_bytes = 64 * 1024;
 
  public:
+  // Before the context is made: libzmq asserts on a negative count.
+  static int checked_io_threads(int n) {
+    if (n < 1 || n > 1024) throw config_error("psx: Zmq::io_threads must be from 1 to 1024, got " + std::to_string(n));
+    return n;
+  }
+
   link_type(const Zmq& settings, const TransportContext& ctx)
       : settings_(settings),
         busy_poll_(::psx::detail::usable_cores() > 1 ? settings.busy_poll : std::chrono::microseconds(0)),
         ctx_(ctx),
         fingerprint_(::psx::detail::wire::fingerprint(ctx.num_servers, ctx.num_workers, ctx.variables)),
-        zctx_(settings.io_threads) {
+        zctx_(checked_io_threads(settings.io_threads)) {
     const ClusterSpec& spec = settings_.tf.cluster;
     if (spec.num_servers() != ctx.num_servers || spec.num_workers() != ctx.num_workers)
       throw config_error("psx: the cluster spec has " + std::to_string(spec.num_servers()) + " ps and " +
                          std::to_string(spec.num_workers()) + " workers (chief included), ClusterConfig says " +
                          std::to_string(ctx.num_servers) + " servers and " + std::to_string(ctx.num_workers) +
                          " workers");
+    // Beyond a year (milliseconds::max() for "for ever", say) the deadlines
+    // overflowed: every peer was lost at once.
+    if (settings_.start_timeout < std::chrono::milliseconds(1) || settings_.start_timeout > std::chrono::hours(24 * 366))
+      throw config_error("psx: Zmq::start_timeout must be from 1 ms to 366 days, got " +
+                         std::to_string(settings_.start_timeout.count()) + " ms");
     if (settings_.chunk_bytes == 0 || settings_.chunk_bytes > ::psx::detail::wire::max_chunk_bytes)
       throw config_error("psx: Zmq::chunk_bytes must be in [1, 2^31 - 1], got " +
                          std::to_string(settings_.chunk_bytes));
     if (settings_.curve.enabled()) {
       detail_zmq::check_key(settings_.curve.server_public_key, "server_public_key");
+      // A key that can never match (a trailing newline) refused every client with no word why.
+      for (std::size_t i = 0; i < settings_.curve.allowed_clients.size(); ++i)
+        detail_zmq::check_key(settings_.curve.allowed_clients[i], "allowed_clients[" + std::to_string(i) + "]");
       if (zmq_has("curve") == 0) throw config_error("psx: Curve is set but this libzmq has no CURVE support");
     } else if (const Curve& c = settings_.curve; !c.server_secret_key.empty() || !c.client_public_key.empty() ||
                                                  !c.client_secret_key.empty() || !c.allowed_clients.empty()) {
