@@ -26,7 +26,10 @@
 #include <zmq.hpp>
 #include <zmq_addon.hpp>
 
+#include <arpa/inet.h>
 #include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
 #include <poll.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
@@ -157,6 +160,38 @@ namespace wire = ::psx::detail::wire;
 // Whether a tcp endpoint names an IPv6 host ("tcp://[::1]:5555"): libzmq
 // binds and connects to one only with ZMQ_IPV6 set on the socket.
 inline bool ipv6(std::string_view endpoint) noexcept { return endpoint.starts_with("tcp://["); }
+
+// libzmq binds numeric addresses and interface names only ("No such
+// device" for "localhost" or a Kubernetes service name): the tcp endpoint
+// with its host name replaced by the host's first IPv4 address, the family
+// a worker reaches it by (libzmq resolves a name to IPv4 only unless
+// ZMQ_IPV6 is set, and psx sets it for bracketed addresses alone). Empty
+// when the endpoint has no host name to resolve; throws config_error when
+// the name does not resolve, or resolves to every interface.
+inline std::string resolved_endpoint(const std::string& endpoint, const std::string& who) {
+  constexpr std::string_view scheme = "tcp://";
+  if (!endpoint.starts_with(scheme) || ipv6(endpoint)) return {};
+  const std::size_t colon = endpoint.rfind(':');
+  if (colon == std::string::npos || colon < scheme.size()) return {};
+  const std::string host = endpoint.substr(scheme.size(), colon - scheme.size());
+  ::addrinfo hints{};
+  hints.ai_family = AF_INET;
+  hints.ai_socktype = SOCK_STREAM;
+  ::addrinfo* found = nullptr;
+  if (const int rc = ::getaddrinfo(host.c_str(), nullptr, &hints, &found); rc != 0 || !found)
+    throw config_error("psx: " + who + " cannot bind " + endpoint + ": its host name resolves to no IPv4 address (" +
+                       (rc != 0 ? ::gai_strerror(rc) : "none") + "; an IPv6 address goes in brackets, \"[::1]:port\")");
+  char text[INET_ADDRSTRLEN] = {};
+  const auto* in = reinterpret_cast<const ::sockaddr_in*>(found->ai_addr);
+  const bool ok = ::inet_ntop(AF_INET, &in->sin_addr, text, sizeof text) != nullptr;
+  const bool any = in->sin_addr.s_addr == htonl(INADDR_ANY);
+  ::freeaddrinfo(found);
+  if (!ok) throw config_error("psx: " + who + " cannot bind " + endpoint + ": its address cannot be written out");
+  if (any)
+    throw config_error("psx: " + who + " cannot bind " + endpoint + ": its host name resolves to 0.0.0.0, every "
+                       "interface, which psx does not bind (name the interface's own address)");
+  return std::string(scheme) + text + endpoint.substr(colon);
+}
 
 // Whether a process accepts connections on an ipc endpoint's socket file.
 // libzmq removes the file before it binds one (a file left by a process that
@@ -814,10 +849,17 @@ class Zmq::link_type {
     if (detail_zmq::ipc_in_use(endpoint))
       throw config_error("psx: ps task " + std::to_string(s) + " cannot bind " + endpoint +
                          ": Address already in use (a process accepts connections on it)");
+    const std::string who = "ps task " + std::to_string(s);
     try {
       router_.bind(endpoint);
     } catch (const zmq::error_t& e) {
-      throw config_error("psx: ps task " + std::to_string(s) + " cannot bind " + endpoint + ": " + e.what());
+      const std::string numeric = e.num() == ENODEV ? detail_zmq::resolved_endpoint(endpoint, who) : std::string();
+      if (numeric.empty()) throw config_error("psx: " + who + " cannot bind " + endpoint + ": " + e.what());
+      try {
+        router_.bind(numeric);
+      } catch (const zmq::error_t& again) {
+        throw config_error("psx: " + who + " cannot bind " + endpoint + " (" + numeric + "): " + again.what());
+      }
     }
     bound_ = router_.get(zmq::sockopt::last_endpoint);
     if (tcp_port(address) == std::optional<std::uint16_t>(0)) {
