@@ -312,7 +312,9 @@ TEST_CASE("cluster_spec: addresses") {
   CHECK(ps(R"("*:2")") ==
         "psx: TF_CONFIG: cluster.ps[0]: bad address \"*:2\": the host is \"*\" (every interface): a cluster address "
         "names the interface the server binds, which its workers connect to" + expected);
-  for (const char* every : {"0.0.0.0", "[::]"})  // the same, as addresses
+  // The same, as addresses, in any spelling of the unspecified one (libzmq
+  // bound "[::0]" and "[0:0::0.0.0.0]" to every interface).
+  for (const char* every : {"0.0.0.0", "[::]", "[::0]", "[0::]", "[0:0::0.0.0.0]"})
     CHECK(ps("\"" + std::string(every) + ":2\"") ==
           "psx: TF_CONFIG: cluster.ps[0]: bad address \"" + std::string(every) + ":2\": the host is \"" + every +
               "\" (every interface): a cluster address names the interface the server binds, which its workers "

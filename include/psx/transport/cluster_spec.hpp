@@ -26,6 +26,9 @@
 #endif
 
 #include <rapidjson/document.h>
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <rapidjson/error/en.h>
 #include <rapidjson/stringbuffer.h>
 #include <rapidjson/writer.h>
@@ -117,6 +120,14 @@ inline TfAddress parse_tf_address(std::string_view address) {
     for (const char c : zone) ok = ok && c != '%' && c != '[' && c != ']';
     if (!ok) {
       out.problem = "the host \"" + std::string(out.host) + "\" is not a bracketed IPv6 address such as \"[::1]\"";
+      return out;
+    }
+    // Every spelling of the unspecified address ("[::0]", "[0::]", ...), not only the two above.
+    ::in6_addr a{};
+    if (::inet_pton(AF_INET6, std::string(ip).c_str(), &a) == 1 && IN6_IS_ADDR_UNSPECIFIED(&a)) {
+      out.problem = "the host is \"" + std::string(out.host) +
+                    "\" (every interface): a cluster address names the interface the server binds, "
+                    "which its workers connect to";
       return out;
     }
   }
