@@ -306,6 +306,32 @@ TEST_CASE("zmq: the cluster spec must match ClusterConfig") {
         "psx: the cluster spec has 1 ps and 1 workers (chief included), ClusterConfig says 2 servers and 1 workers");
 }
 
+TEST_CASE("zmq: a server bound to port 0 takes its published endpoint back when it closes") {
+  // Left behind, it sent a later run's worker in the same directory to a
+  // dead port until its start_timeout.
+  TempDir dir;
+  const fs::path published = dir.path / "ps-0";
+  {
+    ZmqCluster<psx::partition::HashByName, psx::sync::Synchronous, psx::optim::SGD> server(
+        {1, 1}, {}, {}, {}, settings(spec(1, 1, false, dir.path), "ps", 0, dir.path));
+    server.start();
+    std::ifstream in(published);
+    std::string endpoint;
+    REQUIRE(std::getline(in, endpoint));
+    CHECK(endpoint.rfind("tcp://127.0.0.1:", 0) == 0);
+    CHECK(endpoint != "tcp://127.0.0.1:0");
+  }
+  CHECK_FALSE(fs::exists(published));
+  // One another server has since published in its place is left alone.
+  {
+    ZmqCluster<psx::partition::HashByName, psx::sync::Synchronous, psx::optim::SGD> server(
+        {1, 1}, {}, {}, {}, settings(spec(1, 1, false, dir.path), "ps", 0, dir.path));
+    server.start();
+    std::ofstream(published, std::ios::trunc) << "tcp://127.0.0.1:1\n";
+  }
+  CHECK(fs::exists(published));
+}
+
 TEST_CASE("zmq: settings out of range are refused at start, naming the setting") {
   // start_timeout = milliseconds::max() ("for ever") overflowed every
   // deadline: every peer lost at once; a negative io_threads made libzmq

@@ -105,7 +105,8 @@ struct Zmq {
   //! The cluster and this process's task.
   TfConfig tf;
   //! A directory where a server bound to port 0 publishes its real endpoint
-  //! (file `ps-<i>`) and where workers look for it. Needed only with port 0.
+  //! (file `ps-<i>`, taken back when the server closes) and where workers
+  //! look for it. Needed only with port 0.
   std::string rendezvous;
   //! How long a worker waits for every server to answer its hello, and a
   //! server for the chief's first message (with or without a peer timeout;
@@ -477,6 +478,7 @@ class Zmq::link_type {
       zctx_.shutdown();
       zap_.join();
     }
+    unpublish();
   }
 
   //! Whether this process runs server `s` / worker `w`.
@@ -880,6 +882,25 @@ class Zmq::link_type {
       if (ec)
         throw config_error("psx: ps task " + std::to_string(s) + " cannot publish its endpoint in " + dir.string() +
                            ": " + ec.message());
+      published_ = dir / ("ps-" + std::to_string(s));
+    }
+  }
+
+  // Takes the endpoint this server published back when it goes, unless a
+  // server since restarted in its place has published its own: a worker of
+  // a later run in the same directory once read the dead port and waited
+  // out its start_timeout. (A server that dies without closing leaves it.)
+  void unpublish() noexcept {
+    if (published_.empty()) return;
+    try {
+      std::ifstream in(published_);
+      std::string endpoint;
+      if (in && std::getline(in, endpoint) && endpoint == bound_) {
+        in.close();
+        std::error_code ec;
+        std::filesystem::remove(published_, ec);
+      }
+    } catch (...) {  // out of memory: the file stays, as after a crash
     }
   }
 
@@ -1634,6 +1655,7 @@ class Zmq::link_type {
   const std::uint64_t incarnation_ = ::psx::detail::mix64(
       std::random_device{}() ^ static_cast<std::uint64_t>(clock::now().time_since_epoch().count()));
   std::string bound_;
+  std::filesystem::path published_;  // the rendezvous file this server wrote (port 0)
   // worker side
   std::vector<std::string> endpoints_;
   std::vector<std::string> answer_from_;  // "worker W: an answer from ps task S (endpoint)", for errors
