@@ -156,19 +156,27 @@ TEST_CASE("zmq: the same over ipc, with tensors split into 1000-byte chunks") {
   const auto zmq = run_tasks(2, 3, true, [](Zmq& z) { z.chunk_bytes = 1000; });
   check_bit_identical(zmq, run_inprocess(2, 3));
 }
+
+namespace {
+// The tcp run above (2 ps, 3 workers) with every address's host 127.0.0.1
+// written as `host`.
+auto run_tasks_on(const std::string& host) {
+  return run_tasks(2, 3, false, [host](Zmq& z) {
+    for (auto* job : {&z.tf.cluster.chief, &z.tf.cluster.worker, &z.tf.cluster.ps})
+      for (std::string& a : *job) {
+        REQUIRE(a.rfind("127.0.0.1:", 0) == 0);
+        a = host + a.substr(9);
+      }
+  });
+}
+}  // namespace
+
 TEST_CASE("zmq: the same with host names, \"localhost:port\"") {
   // libzmq binds numeric addresses and interface names only: a ps task
   // named by host (TensorFlow's usual "host:port", a Kubernetes service)
   // failed to start with "No such device".
   psx_test::Watchdog dog("zmq host names", std::chrono::seconds(120));
-  const auto zmq = run_tasks(2, 3, false, [](Zmq& z) {
-    for (auto* job : {&z.tf.cluster.chief, &z.tf.cluster.worker, &z.tf.cluster.ps})
-      for (std::string& a : *job) {
-        REQUIRE(a.rfind("127.0.0.1:", 0) == 0);
-        a = "localhost" + a.substr(9);
-      }
-  });
-  check_bit_identical(zmq, run_inprocess(2, 3));
+  check_bit_identical(run_tasks_on("localhost"), run_inprocess(2, 3));
 }
 
 TEST_CASE("zmq: the same over IPv6 loopback, \"[::1]:port\"") {
@@ -184,14 +192,7 @@ TEST_CASE("zmq: the same over IPv6 loopback, \"[::1]:port\"") {
     }
   }
   psx_test::Watchdog dog("zmq IPv6 training", std::chrono::seconds(120));
-  const auto zmq = run_tasks(2, 3, false, [](Zmq& z) {
-    for (auto* job : {&z.tf.cluster.chief, &z.tf.cluster.worker, &z.tf.cluster.ps})
-      for (std::string& a : *job) {
-        REQUIRE(a.rfind("127.0.0.1:", 0) == 0);
-        a = "[::1]" + a.substr(9);
-      }
-  });
-  check_bit_identical(zmq, run_inprocess(2, 3));
+  check_bit_identical(run_tasks_on("[::1]"), run_inprocess(2, 3));
 }
 
 TEST_CASE("zmq: a peer that never appears is named in the timeout error") {
