@@ -40,6 +40,13 @@ inline std::vector<Shard> split_rows(const VariableMeta& v, std::size_t n, std::
   return shards;
 }
 
+// Every partitioner places on at least one server (ParameterServer refuses
+// none; a partitioner called directly with none divided by zero).
+inline void require_servers(const char* partitioner, const VariableMeta& v, std::size_t num_servers) {
+  if (num_servers == 0)
+    throw config_error(std::string("psx: partition::") + partitioner + ": no servers to place '" + v.name + "' on");
+}
+
 inline std::uint64_t row_bytes(const VariableMeta& v) noexcept { return std::uint64_t{v.row_width} * dtype_size(v.dtype); }
 
 }  // namespace detail
@@ -50,6 +57,7 @@ namespace partition {
 //! FNV-1a 64 is specified, so every process and host agrees on the placement.
 struct HashByName {
   std::vector<Shard> place(const VariableMeta& v, std::size_t num_servers) const {
+    detail::require_servers("HashByName", v, num_servers);
     return {{static_cast<std::size_t>(detail::fnv1a64(v.name) % num_servers), 0, v.rows}};
   }
   friend bool operator==(const HashByName&, const HashByName&) = default;
@@ -61,6 +69,7 @@ static_assert(Partitioner<HashByName>);
 //! declaration order: variables are dealt to servers like cards.
 struct RoundRobin {
   std::vector<Shard> place(const VariableMeta& v, std::size_t num_servers) const {
+    detail::require_servers("RoundRobin", v, num_servers);
     return {{v.id % num_servers, 0, v.rows}};
   }
   friend bool operator==(const RoundRobin&, const RoundRobin&) = default;
@@ -77,6 +86,7 @@ struct RowRange {
   std::size_t min_rows = 1;
 
   std::vector<Shard> place(const VariableMeta& v, std::size_t num_servers) const {
+    detail::require_servers("RowRange", v, num_servers);
     const std::size_t per = std::max<std::size_t>(min_rows, 1);
     return detail::split_rows(v, std::clamp<std::size_t>(v.rows / per, 1, num_servers), num_servers);
   }
@@ -94,6 +104,7 @@ struct FixedShards {
   std::size_t shards = 1;
 
   std::vector<Shard> place(const VariableMeta& v, std::size_t num_servers) const {
+    detail::require_servers("FixedShards", v, num_servers);
     if (shards == 0) throw config_error("psx: partition::FixedShards{shards = 0}: a variable needs at least one shard");
     return detail::split_rows(v, shards, num_servers);
   }
@@ -114,6 +125,7 @@ struct MinSize {
   std::uint64_t min_shard_bytes = 256 << 10;
 
   std::vector<Shard> place(const VariableMeta& v, std::size_t num_servers) const {
+    detail::require_servers("MinSize", v, num_servers);
     if (min_shard_bytes == 0) throw config_error("psx: partition::MinSize{min_shard_bytes = 0}: must be positive");
     const std::uint64_t bytes = std::uint64_t{v.rows} * detail::row_bytes(v);
     const std::uint64_t wanted = bytes / min_shard_bytes + (bytes % min_shard_bytes != 0);
@@ -137,6 +149,7 @@ struct MaxSize {
   std::size_t max_shards = 0;  //!< 0: no limit
 
   std::vector<Shard> place(const VariableMeta& v, std::size_t num_servers) const {
+    detail::require_servers("MaxSize", v, num_servers);
     if (max_shard_bytes == 0) throw config_error("psx: partition::MaxSize{max_shard_bytes = 0}: must be positive");
     const std::uint64_t per_shard = std::max<std::uint64_t>(1, max_shard_bytes / std::max<std::uint64_t>(detail::row_bytes(v), 1));
     std::uint64_t n = v.rows / per_shard + (v.rows % per_shard != 0);
@@ -212,6 +225,7 @@ struct ConsistentHash {
   std::uint32_t virtual_nodes = 1024;
 
   std::vector<Shard> place(const VariableMeta& v, std::size_t num_servers) const {
+    detail::require_servers("ConsistentHash", v, num_servers);
     return {{ring(num_servers).server(detail::fnv1a64(v.name)), 0, v.rows}};
   }
   //! The ring over `num_servers` servers: `ring(n).server(key)`.

@@ -193,6 +193,17 @@ TEST_CASE("FixedShards, MinSize and MaxSize shard as TensorFlow's partitioners d
   CHECK_THROWS_AS(FixedShards{0}.place(shaped({4}), 1), psx::config_error);
   CHECK_THROWS_AS(MinSize{.min_shard_bytes = 0}.place(shaped({4}), 1), psx::config_error);
   CHECK_THROWS_AS(MaxSize{.max_shard_bytes = 0}.place(shaped({4}), 1), psx::config_error);
+  // No servers: refused by name (called directly, they divided by zero).
+  const auto none = [&](const auto& p) {
+    return message_of<psx::config_error>([&] { (void)p.place(shaped({4}), 0); });
+  };
+  CHECK(none(psx::partition::HashByName{}) == "psx: partition::HashByName: no servers to place 'v' on");
+  CHECK(none(psx::partition::RoundRobin{}).find("RoundRobin: no servers") != std::string::npos);
+  CHECK(none(psx::partition::RowRange{}).find("RowRange: no servers") != std::string::npos);
+  CHECK(none(FixedShards{2}).find("FixedShards: no servers") != std::string::npos);
+  CHECK(none(MinSize{}).find("MinSize: no servers") != std::string::npos);
+  CHECK(none(MaxSize{}).find("MaxSize: no servers") != std::string::npos);
+  CHECK(none(psx::partition::ConsistentHash{}).find("ConsistentHash: no servers") != std::string::npos);
 }
 
 TEST_CASE("a placement report gives each server's bytes and the balance") {
