@@ -319,7 +319,7 @@ TEST_CASE("ParameterServer::read from a worker's function, and from a thread wat
                                       .compute = {.step_seconds = 1e-3, .jitter = 0.5}};
   SimBsp ps({2, 3}, {}, {}, psx::optim::SGD{.lr = kLr}, sim);
   ps.declare(psx::dense("v", {16}, psx::Initializer::zeros()));
-  std::atomic<bool> done{false};
+  std::atomic<bool> done{false}, watching{false};
   std::atomic<int> backwards{0}, watched{0};
   std::thread clock_watch([&] {
     double last = 0;
@@ -329,13 +329,17 @@ TEST_CASE("ParameterServer::read from a worker's function, and from a thread wat
       last = now;
     }
   });
+  // The watcher's first read begins before the run does (on a loaded
+  // machine its thread once started only after the run had ended).
   std::thread watcher([&] {
-    while (!done) {
+    watching = true;
+    do {
       const std::vector<float> v = ps.read("v");
       CHECK(v.size() == 16);
       ++watched;
-    }
+    } while (!done);
   });
+  while (!watching) std::this_thread::yield();
   std::vector<float> seen;
   ps.run([&](psx::Worker& w) {
     std::vector<float> v(16);
