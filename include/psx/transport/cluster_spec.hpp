@@ -19,9 +19,11 @@
 // included RapidJSON first, RapidJSON's defaults won (a plain assert) for the
 // whole translation unit: a checkpoint with a field of the wrong type
 // aborted the program, or under NDEBUG was read from the wrong bits. Where
-// cereal is installed, its archive comes first, so RapidJSON is configured
-// alike whichever psx header a program includes first.
-#if __has_include(<cereal/archives/json.hpp>)
+// cereal is installed on the system's RapidJSON (Debian's), its archive
+// comes first, so RapidJSON is configured alike whichever psx header a
+// program includes first. (An upstream cereal bundles a RapidJSON of its
+// own in the same namespace, which cannot be included beside the system's.)
+#if __has_include(<cereal/archives/json.hpp>) && !__has_include(<cereal/external/rapidjson/rapidjson.h>)
 #include <cereal/archives/json.hpp>
 #endif
 
@@ -29,6 +31,7 @@
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
+#include <sys/socket.h>
 #include <rapidjson/error/en.h>
 #include <rapidjson/stringbuffer.h>
 #include <rapidjson/writer.h>
