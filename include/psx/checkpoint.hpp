@@ -1038,9 +1038,13 @@ inline Variable load_variable(const std::filesystem::path& dir, const std::strin
 inline std::vector<Info> list(const std::filesystem::path& root) {
   std::vector<Info> out;
   std::error_code ec;
-  for (const auto& e : std::filesystem::directory_iterator(root, ec)) {
+  // Each step with an error code: a directory pruned while it is listed
+  // ends the listing, with no filesystem_error.
+  for (std::filesystem::directory_iterator it(root, ec), last; !ec && it != last; it.increment(ec)) {
+    const std::filesystem::directory_entry& e = *it;
     const auto step = detail::step_of_dir_name(e.path().filename().string());
-    if (!step || !e.is_directory(ec)) continue;
+    std::error_code kind;  // not the listing's: an entry gone meanwhile is skipped
+    if (!step || !e.is_directory(kind)) continue;
     try {
       const Manifest m = detail::load_manifest(e.path());
       if (m.step != *step) continue;
@@ -1261,7 +1265,9 @@ class Manager {
     // one restoring while another went on to train called the collectives
     // out of step.
     std::optional<Info> found;
-    if (w.is_chief()) found = latest();
+    // A listing that throws on the chief (the directory pruned meanwhile)
+    // throws on every worker, none left waiting in a collective.
+    detail::on_chief(w, "list the checkpoints in " + options_.directory.string(), [&] { found = latest(); });
     if (w.agree_max(found ? 1 : 0) == 0) return 0;
     const std::uint64_t step = w.agree_max(found ? found->step : 0);
     return restore(*ps_, w, found ? found->path : options_.directory / detail::checkpoint_dir_name(step));
