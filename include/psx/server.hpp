@@ -908,16 +908,20 @@ class Server final : public RequestHandler {
     gone_[w] = Gone::lost;
     lost_reason_[w] = reason;
     // A barrier part the lost worker left here would stand in for a live
-    // worker (the barrier counts parts): it goes, finished with the loss.
-    for (auto it = barrier_.begin(); it != barrier_.end();) {
-      if (it->worker != w) {
-        ++it;
-        continue;
+    // worker (the barrier counts parts): it goes, finished with the loss
+    // (or, with no memory to say so, with the bad_alloc: nothing here may
+    // throw, the state above being changed already).
+    auto lost = [&]() noexcept {
+      try {
+        return std::make_exception_ptr(peer_lost("psx: server " + std::to_string(index_) + ": worker " +
+                                                 std::to_string(w) + " was lost (" + reason + ")"));
+      } catch (...) {
+        return std::current_exception();
       }
-      it->finish(std::make_exception_ptr(peer_lost("psx: server " + std::to_string(index_) + ": worker " +
-                                                   std::to_string(w) + " was lost (" + reason + ")")));
-      it = barrier_.erase(it);
-    }
+    };
+    for (const Request& r : barrier_)
+      if (r.worker == w) r.finish(lost());
+    std::erase_if(barrier_, [w](const Request& r) { return r.worker == w; });
     recount();
     if (outcome == OnWorkerLost::fail) {
       fail([&] {
