@@ -32,6 +32,7 @@
 #include <netinet/in.h>
 #include <poll.h>
 #include <sys/eventfd.h>
+#include <sys/file.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <unistd.h>
@@ -161,6 +162,35 @@ namespace wire = ::psx::detail::wire;
 // Whether a tcp endpoint names an IPv6 host ("tcp://[::1]:5555"): libzmq
 // binds and connects to one only with ZMQ_IPV6 set on the socket.
 inline bool ipv6(std::string_view endpoint) noexcept { return endpoint.starts_with("tcp://["); }
+
+// An exclusive flock on a file of its own, held while it lives: a server
+// publishing its endpoint in the rendezvous directory and one taking its
+// own back take turns (otherwise the second could remove what a server
+// restarted in its place had just published). `held()` is false when the
+// file could not be opened or locked.
+class FileLock {
+ public:
+  explicit FileLock(const std::filesystem::path& path) noexcept
+      : fd_(::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644)) {
+    if (fd_ < 0) return;
+    int rc;
+    do rc = ::flock(fd_, LOCK_EX);
+    while (rc != 0 && errno == EINTR);
+    if (rc != 0) {
+      ::close(fd_);
+      fd_ = -1;
+    }
+  }
+  ~FileLock() {
+    if (fd_ >= 0) ::close(fd_);  // closing lets the lock go
+  }
+  FileLock(const FileLock&) = delete;
+  FileLock& operator=(const FileLock&) = delete;
+  bool held() const noexcept { return fd_ >= 0; }
+
+ private:
+  int fd_;
+};
 
 // libzmq binds numeric addresses and interface names only ("No such
 // device" for "localhost" or a Kubernetes service name): the tcp endpoint
@@ -872,6 +902,11 @@ class Zmq::link_type {
       // Written to a temporary name and renamed, so a reader never sees half.
       const auto dir = std::filesystem::path(settings_.rendezvous);
       const auto tmp = dir / ("ps-" + std::to_string(s) + ".tmp");
+      const detail_zmq::FileLock lock(dir / ("ps-" + std::to_string(s) + ".lock"));
+      if (!lock.held())
+        throw config_error("psx: ps task " + std::to_string(s) + " cannot lock " +
+                           (dir / ("ps-" + std::to_string(s) + ".lock")).string() + " to publish its endpoint: " +
+                           std::strerror(errno));
       {
         std::ofstream out(tmp, std::ios::trunc);
         out << bound_ << '\n';
@@ -893,6 +928,8 @@ class Zmq::link_type {
   void unpublish() noexcept {
     if (published_.empty()) return;
     try {
+      const detail_zmq::FileLock lock(std::filesystem::path(published_) += ".lock");
+      if (!lock.held()) return;  // as after a crash: the file stays
       std::ifstream in(published_);
       std::string endpoint;
       if (in && std::getline(in, endpoint) && endpoint == bound_) {
