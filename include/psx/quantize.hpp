@@ -4,7 +4,8 @@
 //! pulls. This is the reference the device kernels (`psx/cuda/convert.cuh`)
 //! are tested against, bit for bit:
 //!
-//!     scale = max(max|x| / 127, FLT_MIN)   (float division; 1 when the max is 0)
+//!     scale = max(max|x| / 127, FLT_MIN)   (float division; 1 when the max is 0;
+//!                                           one step lower where 127 * scale would be infinite)
 //!     q     = clamp(nearbyint(x / scale), -127, 127)
 //!     x'    = q * scale
 //!

@@ -262,7 +262,8 @@ inline void convert(const float16* in, float* out, std::size_t n, cudaStream_t s
 
 //! int8 symmetric quantization of `x` (`rows x width`, row-major), as
 //! `psx::quantize_int8`: one scale (`scales[0]`) or, `per_channel`, one per
-//! row (`scales[0..rows)`), `scale = max(max|x| / 127, FLT_MIN)` (1 when the max is 0),
+//! row (`scales[0..rows)`), `scale = max(max|x| / 127, FLT_MIN)` (1 when the max is 0;
+//! one step lower where 127 * scale would be infinite),
 //! `q = clamp(nearbyint(x / scale), -127, 127)` with ties to even. Per
 //! tensor takes stream-ordered scratch memory for the max.
 inline void quantize_int8(const float* x, std::size_t rows, std::size_t width, bool per_channel, std::int8_t* q,
