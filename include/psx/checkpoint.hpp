@@ -1187,25 +1187,17 @@ template <class PS>
 std::uint64_t restore(const PS& ps, Worker& w, const std::filesystem::path& dir) {
   if (dir.empty()) throw checkpoint_error("psx: checkpoint::restore: the checkpoint path is empty");
   const std::filesystem::path abs_dir = std::filesystem::absolute(dir);
-  // Only the chief reads the manifest, and everyone learns its step: a
-  // worker that could not read it (a host that does not see the shared
-  // directory) once threw while the others waited at the barrier for ever.
+  // Only the chief reads the manifest (in on_chief), and everyone learns
+  // its step: a worker that could not read it (a host that does not see the
+  // shared directory) once threw while the others waited at the barrier.
   std::optional<Manifest> m;
-  std::exception_ptr unread;
-  if (w.is_chief()) {
-    try {
-      m = detail::load_manifest(abs_dir);
-    } catch (...) {
-      unread = std::current_exception();
-    }
-  }
   // Every worker is here, none still in its last step: the servers' clocks
   // are about to be set to the checkpoint's step (without this, a restore
   // called during a run could hang a slower worker).
   w.barrier();
   // Everyone learns whether it was restored.
   detail::on_chief(w, "restore " + abs_dir.string(), [&] {
-    if (unread) std::rethrow_exception(unread);
+    m = detail::load_manifest(abs_dir);
     detail::check_compatible(*m, abs_dir, ::psx::detail::WorkerAccess::variables(w), ps.optimizer().slots(),
                              detail::describe(ps.optimizer()));
     try {
