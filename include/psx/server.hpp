@@ -911,16 +911,12 @@ class Server final : public RequestHandler {
     // worker (the barrier counts parts): it goes, finished with the loss
     // (or, with no memory to say so, with the bad_alloc: nothing here may
     // throw, the state above being changed already).
-    auto lost = [&]() noexcept {
-      try {
-        return std::make_exception_ptr(peer_lost("psx: server " + std::to_string(index_) + ": worker " +
-                                                 std::to_string(w) + " was lost (" + reason + ")"));
-      } catch (...) {
-        return std::current_exception();
-      }
+    auto lost = [&] {
+      return std::make_exception_ptr(
+          peer_lost("psx: server " + std::to_string(index_) + ": worker " + std::to_string(w) + " was lost (" + reason + ")"));
     };
     for (const Request& r : barrier_)
-      if (r.worker == w) r.finish(lost());
+      if (r.worker == w) r.finish(error_of(lost));
     std::erase_if(barrier_, [w](const Request& r) { return r.worker == w; });
     recount();
     if (outcome == OnWorkerLost::fail) {
@@ -984,16 +980,19 @@ class Server final : public RequestHandler {
 
   // One exception object per request: see Completion::wait. Where making
   // one throws (no memory), the request gets that exception instead.
+  // `make_error()`, or the exception making it threw (no memory): never throws.
+  template <class F>
+  static std::exception_ptr error_of(const F& make_error) noexcept {
+    try {
+      return make_error();
+    } catch (...) {
+      return std::current_exception();
+    }
+  }
+
   void fail_waiting(const ErrorFactory& make_error) noexcept {
-    auto error = [&]() noexcept {
-      try {
-        return make_error();
-      } catch (...) {
-        return std::current_exception();
-      }
-    };
-    for (Request& r : parked_) r.finish(error());
-    for (Request& r : barrier_) r.finish(error());
+    for (Request& r : parked_) r.finish(error_of(make_error));
+    for (Request& r : barrier_) r.finish(error_of(make_error));
     parked_.clear();
     barrier_.clear();
   }
