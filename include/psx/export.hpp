@@ -146,6 +146,11 @@ struct ExportMetadata {
          CEREAL_NVP(sparse), CEREAL_NVP(stored));
     }
     friend bool operator==(const Tensor&, const Tensor&) = default;
+    //! What metadata.json says of a stored tensor.
+    static Tensor of(const ExportedTensor& t) {
+      return {t.name, t.shape, t.dtype, t.quantization, t.trainable, t.sparse,
+              t.sparse ? t.indices.size() : t.elements()};
+    }
   };
   std::vector<Tensor> tensors;
   std::vector<std::string> files;
@@ -607,9 +612,7 @@ inline fs::path write_export(std::vector<Source> sources, std::uint64_t step, co
   m.created_unix =
       std::chrono::duration_cast<std::chrono::seconds>(std::chrono::system_clock::now().time_since_epoch()).count();
   m.signature = o.signature;
-  for (const ExportedTensor& t : tensors)
-    m.tensors.push_back({t.name, t.shape, t.dtype, t.quantization, t.trainable, t.sparse,
-                         t.sparse ? t.indices.size() : t.elements()});
+  for (const ExportedTensor& t : tensors) m.tensors.push_back(ExportMetadata::Tensor::of(t));
   m.files = {"metadata.json", "model.psx"};
   if (o.npz) m.files.push_back("model.npz");
   if (o.safetensors) m.files.push_back("model.safetensors");
@@ -801,9 +804,7 @@ inline Export load_export(const std::filesystem::path& path, const LoadOptions& 
                             std::to_string(out.tensors.size()));
   for (std::size_t i = 0; i < out.tensors.size(); ++i) {
     const ExportedTensor& t = out.tensors[i];
-    const ExportMetadata::Tensor held{t.name,    t.shape,     t.dtype, t.quantization, t.trainable,
-                                      t.sparse, t.sparse ? t.indices.size() : t.elements()};
-    if (out.metadata.tensors[i] != held)
+    if (out.metadata.tensors[i] != ExportMetadata::Tensor::of(t))
       ck::fail(meta_file, "says tensor " + std::to_string(i) + " is '" + out.metadata.tensors[i].name + "' " +
                               ck::shape_text(out.metadata.tensors[i].shape) + " " + out.metadata.tensors[i].dtype +
                               ", model.psx holds '" + t.name + "' " + ck::shape_text(t.shape) + " " + t.dtype +
