@@ -821,7 +821,7 @@ class Zmq::link_type {
     if (settings_.rendezvous.empty())
       throw config_error("psx: ps task " + std::to_string(s) + " has address " + address +
                          " (port 0: ephemeral) but no rendezvous directory is set (Zmq::rendezvous, PSX_RENDEZVOUS)");
-    const auto file = std::filesystem::path(settings_.rendezvous) / ("ps-" + std::to_string(s));
+    const auto file = rendezvous_file(s);
     for (;;) {
       std::ifstream in(file);
       std::string endpoint;
@@ -900,25 +900,31 @@ class Zmq::link_type {
                            " (port 0: ephemeral) but no rendezvous directory is set (Zmq::rendezvous, "
                            "PSX_RENDEZVOUS) to publish the real port in");
       // Written to a temporary name and renamed, so a reader never sees half.
-      const auto dir = std::filesystem::path(settings_.rendezvous);
-      const auto tmp = dir / ("ps-" + std::to_string(s) + ".tmp");
-      const detail_zmq::FileLock lock(dir / ("ps-" + std::to_string(s) + ".lock"));
+      const auto file = rendezvous_file(s);
+      const auto tmp = std::filesystem::path(file) += ".tmp";
+      const auto lock_file = std::filesystem::path(file) += ".lock";
+      const detail_zmq::FileLock lock(lock_file);
       if (!lock.held())
-        throw config_error("psx: ps task " + std::to_string(s) + " cannot lock " +
-                           (dir / ("ps-" + std::to_string(s) + ".lock")).string() + " to publish its endpoint: " +
+        throw config_error("psx: " + who + " cannot lock " + lock_file.string() + " to publish its endpoint: " +
                            std::strerror(errno));
       {
         std::ofstream out(tmp, std::ios::trunc);
         out << bound_ << '\n';
-        if (!out.flush()) throw config_error("psx: ps task " + std::to_string(s) + " cannot write " + tmp.string());
+        if (!out.flush()) throw config_error("psx: " + who + " cannot write " + tmp.string());
       }
       std::error_code ec;
-      std::filesystem::rename(tmp, dir / ("ps-" + std::to_string(s)), ec);
+      std::filesystem::rename(tmp, file, ec);
       if (ec)
-        throw config_error("psx: ps task " + std::to_string(s) + " cannot publish its endpoint in " + dir.string() +
-                           ": " + ec.message());
-      published_ = dir / ("ps-" + std::to_string(s));
+        throw config_error("psx: " + who + " cannot publish its endpoint in " + settings_.rendezvous + ": " +
+                           ec.message());
+      published_ = true;
     }
+  }
+
+  // Where server `s` bound to port 0 publishes its endpoint (`.tmp` and
+  // `.lock` beside it), and where workers read it.
+  std::filesystem::path rendezvous_file(std::size_t s) const {
+    return std::filesystem::path(settings_.rendezvous) / ("ps-" + std::to_string(s));
   }
 
   // Takes the endpoint this server published back when it goes, unless a
@@ -926,16 +932,17 @@ class Zmq::link_type {
   // a later run in the same directory once read the dead port and waited
   // out its start_timeout. (A server that dies without closing leaves it.)
   void unpublish() noexcept {
-    if (published_.empty()) return;
+    if (!published_) return;
     try {
-      const detail_zmq::FileLock lock(std::filesystem::path(published_) += ".lock");
+      const auto file = rendezvous_file(*server_index_);
+      const detail_zmq::FileLock lock(std::filesystem::path(file) += ".lock");
       if (!lock.held()) return;  // as after a crash: the file stays
-      std::ifstream in(published_);
+      std::ifstream in(file);
       std::string endpoint;
       if (in && std::getline(in, endpoint) && endpoint == bound_) {
         in.close();
         std::error_code ec;
-        std::filesystem::remove(published_, ec);
+        std::filesystem::remove(file, ec);
       }
     } catch (...) {  // out of memory: the file stays, as after a crash
     }
@@ -1692,7 +1699,7 @@ class Zmq::link_type {
   const std::uint64_t incarnation_ = ::psx::detail::mix64(
       std::random_device{}() ^ static_cast<std::uint64_t>(clock::now().time_since_epoch().count()));
   std::string bound_;
-  std::filesystem::path published_;  // the rendezvous file this server wrote (port 0)
+  bool published_ = false;  // this server wrote its rendezvous_file (port 0)
   // worker side
   std::vector<std::string> endpoints_;
   std::vector<std::string> answer_from_;  // "worker W: an answer from ps task S (endpoint)", for errors
