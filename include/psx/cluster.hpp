@@ -14,16 +14,26 @@ inline namespace v0 {
 struct ClusterConfig {
   std::size_t num_servers = 1;
   std::size_t num_workers = 1;
+  //! `peer_timeout`'s default: the transport's own choice. Between
+  //! processes that is a deadline (`transport::Zmq::default_peer_timeout`,
+  //! 30 s); in one process it is off, since a thread cannot die in silence
+  //! (a worker function that throws fails or leaves its worker) and a
+  //! worker's calls are its only heartbeat there. `ParameterServer::config()`
+  //! shows the value in force.
+  static constexpr std::chrono::milliseconds transport_default = std::chrono::milliseconds::min();
   //! A worker that sends nothing for this long while a server holds requests
   //! waiting on progress (and it has none waiting itself) is lost; the sync
-  //! policy then decides (`psx::OnWorkerLost`). Zero: never time out. In one
-  //! process a worker's calls are its heartbeat, so set this above the
-  //! longest computation a worker makes between two calls.
-  std::chrono::milliseconds peer_timeout{0};
+  //! policy then decides (`psx::OnWorkerLost`). A server silent this long
+  //! while a worker's calls wait on it fails them with `psx::peer_lost`.
+  //! Zero: never time out (an explicit choice). In one process a worker's
+  //! calls are its heartbeat, so set this above the longest computation a
+  //! worker makes between two calls.
+  std::chrono::milliseconds peer_timeout = transport_default;
   friend bool operator==(const ClusterConfig&, const ClusterConfig&) = default;
   friend std::ostream& operator<<(std::ostream& os, const ClusterConfig& c) {
-    return os << "ClusterConfig{servers=" << c.num_servers << ", workers=" << c.num_workers
-              << ", peer_timeout=" << c.peer_timeout.count() << "ms}";
+    os << "ClusterConfig{servers=" << c.num_servers << ", workers=" << c.num_workers << ", peer_timeout=";
+    if (c.peer_timeout == transport_default) return os << "transport default}";
+    return os << c.peer_timeout.count() << "ms}";
   }
 };
 

@@ -164,6 +164,12 @@ struct ServerStats {
   std::uint64_t rejected = 0;
   //! Answers that could not be delivered because their worker was gone.
   std::uint64_t undelivered = 0;
+  //! Requests a worker sent again after its connection dropped and came
+  //! back (transports between processes).
+  std::uint64_t retried = 0;
+  //! Of those, the ones this server had already received: executed once,
+  //! their answer sent again (or sent when they complete).
+  std::uint64_t duplicates = 0;
   //! The server's queue: requests it holds right now, waiting on the sync
   //! policy (pulls ahead of the applied steps, barrier parts); summed over
   //! servers by `+=`.
@@ -182,13 +188,13 @@ struct ServerStats {
   friend bool operator==(const ServerStats&, const ServerStats&) = default;
 
   //! The scalar counters, in their wire order (Op::stats answers).
-  static constexpr std::size_t counters = 14;
+  static constexpr std::size_t counters = 16;
   using Counter = std::uint64_t ServerStats::*;
   static constexpr Counter fields[counters] = {
       &ServerStats::requests, &ServerStats::pulls,           &ServerStats::pushes,     &ServerStats::bytes_in,
       &ServerStats::bytes_out, &ServerStats::errors,          &ServerStats::dropped,    &ServerStats::steps,
       &ServerStats::parameter_bytes, &ServerStats::slot_bytes, &ServerStats::rejected, &ServerStats::undelivered,
-      &ServerStats::waiting,         &ServerStats::waiting_max};
+      &ServerStats::waiting,         &ServerStats::waiting_max,  &ServerStats::retried,  &ServerStats::duplicates};
 };
 
 namespace detail {
@@ -274,6 +280,8 @@ class RequestHandler {
   enum class LinkEvent : std::uint8_t {
     rejected,     //!< malformed, of another version or cluster, or unauthenticated
     undelivered,  //!< an answer whose worker was gone when it was sent
+    retried,      //!< a request sent again after a reconnect
+    duplicate,    //!< a request sent again that had been received already (executed once)
   };
   virtual void link_event(LinkEvent e) noexcept = 0;
   //! Where worker `w` stands: a server told to stop stops when no worker

@@ -71,6 +71,7 @@ class ParameterServer {
       throw config_error("psx: a cluster needs at least one server and one worker (got " +
                          std::to_string(config.num_servers) + " servers, " + std::to_string(config.num_workers) +
                          " workers)");
+    if (config.peer_timeout == ClusterConfig::transport_default) config.peer_timeout = default_peer_timeout(transport_);
     if (config.peer_timeout.count() < 0 || config.peer_timeout > std::chrono::hours(24 * 366))
       throw config_error("psx: peer_timeout must be between 0 (off) and a year, got " +
                          std::to_string(config.peer_timeout.count()) + " ms");
@@ -455,6 +456,14 @@ class ParameterServer {
     } else {
       return partitioner_.place(meta, n);
     }
+  }
+  // What `ClusterConfig::transport_default` means for transport `t`: its
+  // `default_peer_timeout` where it has one (between processes), else off.
+  static std::chrono::milliseconds default_peer_timeout(const T& t) noexcept {
+    if constexpr (requires { { t.default_peer_timeout } -> std::convertible_to<std::chrono::milliseconds>; })
+      return t.default_peer_timeout;
+    else
+      return std::chrono::milliseconds(0);
   }
   // How long a worker not yet heard from may stay silent (processes that
   // start in any order); links within one process start every worker at once.

@@ -124,7 +124,8 @@ class Server final : public RequestHandler {
 
   time_point next_tick() const noexcept override {
     if (peer_timeout_.count() <= 0) return time_point::max();
-    return last_tick_ + std::max<clock_type::duration>(peer_timeout_ / 4, std::chrono::milliseconds(1));
+    // A tenth: a silent worker is lost within 1.1 times the timeout.
+    return last_tick_ + std::max<clock_type::duration>(peer_timeout_ / 10, std::chrono::milliseconds(1));
   }
 
   void tick(time_point now) noexcept override {
@@ -168,12 +169,21 @@ class Server final : public RequestHandler {
     }
     st.rejected = get(rejected_);
     st.undelivered = get(undelivered_);
+    st.retried = get(retried_);
+    st.duplicates = get(duplicates_);
     st.waiting = get(waiting_);
     st.waiting_max = get(waiting_max_);
     return st;
   }
 
-  void link_event(LinkEvent e) noexcept override { count(e == LinkEvent::rejected ? rejected_ : undelivered_); }
+  void link_event(LinkEvent e) noexcept override {
+    switch (e) {
+      case LinkEvent::rejected: return count(rejected_);
+      case LinkEvent::undelivered: return count(undelivered_);
+      case LinkEvent::retried: return count(retried_);
+      case LinkEvent::duplicate: return count(duplicates_);
+    }
+  }
 
   WorkerState worker_state(std::size_t w) const noexcept override {
     if (w >= gone_.size() || gone_[w] == Gone::no) return WorkerState::active;
@@ -1076,7 +1086,7 @@ class Server final : public RequestHandler {
 
   std::size_t index_;
   std::atomic<std::uint64_t> requests_{0}, pulls_{0}, pushes_{0}, bytes_in_{0}, bytes_out_{0}, errors_{0},
-      dropped_{0}, steps_{0}, rejected_{0}, undelivered_{0}, waiting_{0}, waiting_max_{0};
+      dropped_{0}, steps_{0}, rejected_{0}, undelivered_{0}, retried_{0}, duplicates_{0}, waiting_{0}, waiting_max_{0};
   std::array<std::atomic<std::uint64_t>, staleness_buckets> staleness_{};
   SyncStateT sync_;
   O optimizer_;

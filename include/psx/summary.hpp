@@ -778,7 +778,7 @@ inline Histogram staleness_histogram(std::span<const std::uint64_t> counts) {
 //! What a chief watches of its servers (`Worker::server_stats()`), at
 //! `step`: for each server s the scalars `servers/<s>/requests`, `pulls`,
 //! `pushes`, `bytes_in`, `bytes_out`, `errors`, `dropped`, `rejected`,
-//! `undelivered`, `parameter_bytes` and `slot_bytes` (cumulative counts, as
+//! `undelivered`, `retried`, `duplicates`, `parameter_bytes` and `slot_bytes` (cumulative counts, as
 //! the servers keep them), `waiting` (requests held now: the queue's depth)
 //! and `waiting_max`; the load balance `servers/bytes_max_over_mean`
 //! (the busiest server's bytes in + out over the mean, 1 when balanced);
@@ -794,6 +794,7 @@ inline void write_server_stats(Writer& w, std::span<const ServerStats> servers, 
         {"requests", st.requests},       {"pulls", st.pulls},         {"pushes", st.pushes},
         {"bytes_in", st.bytes_in},       {"bytes_out", st.bytes_out}, {"errors", st.errors},
         {"dropped", st.dropped},         {"rejected", st.rejected},   {"undelivered", st.undelivered},
+        {"retried", st.retried},         {"duplicates", st.duplicates},
         {"parameter_bytes", st.parameter_bytes}, {"slot_bytes", st.slot_bytes}, {"waiting", st.waiting},
         {"waiting_max", st.waiting_max}};
     for (const auto& [name, value] : counters) w.scalar(at + name, static_cast<float>(value), step);

@@ -389,7 +389,20 @@ TEST_CASE("policy values print what they are") {
         "InProcess{waiters_serve=true, spin=0us}");
   CHECK(str(psx::transport::InProcess{.wait_spin = std::chrono::microseconds{300}}) == "InProcess{wait_spin=300us}");
   CHECK(str(psx::transport::InProcess{.wait_spin = std::chrono::microseconds{0}}) == "InProcess{wait_spin=0us}");
-  CHECK(str(psx::ClusterConfig{2, 4}) == "ClusterConfig{servers=2, workers=4, peer_timeout=0ms}");
+  CHECK(str(psx::ClusterConfig{2, 4}) == "ClusterConfig{servers=2, workers=4, peer_timeout=transport default}");
+  CHECK(str(psx::ClusterConfig{2, 4, std::chrono::milliseconds(0)}) ==
+        "ClusterConfig{servers=2, workers=4, peer_timeout=0ms}");
+}
+
+TEST_CASE("peer_timeout: the transport's default unless set, off in one process, explicit values kept") {
+  using namespace std::chrono_literals;
+  // In one process a thread cannot die in silence: the default is off.
+  psx::ParameterServer<> in({.num_servers = 1, .num_workers = 2});
+  CHECK(in.config().peer_timeout == 0ms);
+  psx::ParameterServer<> set({.num_servers = 1, .num_workers = 2, .peer_timeout = 1500ms});
+  CHECK(set.config().peer_timeout == 1500ms);
+  CHECK_THROWS_AS(psx::ParameterServer<>({.num_servers = 1, .num_workers = 1, .peer_timeout = -2ms}),
+                  psx::config_error);
 }
 
 TEST_CASE("RowAccumulator: sums repeated rows in order of first appearance, reused across widths and sizes") {

@@ -630,6 +630,8 @@ TEST_CASE("summary: the servers' counters as scalars, their load balance and one
   servers[1].slot_bytes = 64;
   servers[1].waiting = 3;
   servers[1].waiting_max = 5;
+  servers[1].retried = 7;
+  servers[1].duplicates = 2;
   servers[1].staleness.assign(psx::staleness_buckets, 0);
   servers[1].staleness[0] = 2;
   servers[1].staleness[psx::staleness_buckets - 1] = 1;  // 63 or more
@@ -648,9 +650,11 @@ TEST_CASE("summary: the servers' counters as scalars, their load balance and one
       if (v.kind == Value::Kind::scalar) scalars[v.tag] = v.scalar;
       if (v.kind == Value::Kind::histogram && v.tag == "servers/staleness") staleness = &v.histogram;
     }
-  CHECK(scalars.size() == 2 * 13 + 1);
+  CHECK(scalars.size() == 2 * 15 + 1);
   CHECK(scalars.at("servers/1/waiting") == 3.0f);
   CHECK(scalars.at("servers/1/waiting_max") == 5.0f);
+  CHECK(scalars.at("servers/1/retried") == 7.0f);
+  CHECK(scalars.at("servers/1/duplicates") == 2.0f);
   CHECK(scalars.at("servers/0/waiting") == 0.0f);
   CHECK(scalars.at("servers/0/requests") == 10.0f);
   CHECK(scalars.at("servers/1/requests") == 4.0f);

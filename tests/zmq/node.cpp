@@ -3,7 +3,7 @@
 // chief then trains the same program on an in-process cluster and compares
 // the two bit for bit. Run through psx-launch by the zmq.* tests.
 //
-//   psx_zmq_node [--steps N] [--pause-ms MS] [--peer-timeout-ms MS]
+//   psx_zmq_node [--steps N] [--pause-ms MS] [--peer-timeout-ms MS (default: the transport's)]
 //                [--optimizer sgd|adam|ftrl] [--restore DIR] [--save ROOT]
 //   psx_zmq_node --compare DIR1 DIR2
 //
@@ -34,7 +34,7 @@ namespace {
 struct Flags {
   int steps = psx_zmq_test::steps;
   int pause_ms = 0;
-  long peer_timeout_ms = 20000;
+  long peer_timeout_ms = -1;  // ClusterConfig::transport_default
   std::string optimizer = "sgd", restore, save;
 };
 
@@ -58,7 +58,8 @@ int run(const Flags& f, const O& optimizer) {
   auto z = psx::transport::Zmq::from_env();
   const std::string role = z.tf.task.type + " " + std::to_string(z.tf.task.index);
   psx::ClusterConfig config{z.tf.cluster.num_servers(), z.tf.cluster.num_workers(),
-                            std::chrono::milliseconds(f.peer_timeout_ms)};
+                            f.peer_timeout_ms < 0 ? psx::ClusterConfig::transport_default
+                                                  : std::chrono::milliseconds(f.peer_timeout_ms)};
   std::map<std::string, std::vector<float>> trained;
   {
     Policies cluster(config, {}, {}, optimizer, z);
@@ -79,6 +80,13 @@ int run(const Flags& f, const O& optimizer) {
       if (!f.save.empty()) {
         const auto info = psx::checkpoint::save(cluster, w, f.save);
         if (w.is_chief()) std::printf("%s: saved %s\n", role.c_str(), info.path.c_str());
+      }
+      if (w.is_chief()) {
+        // What reconnects cost (faults.sh reads it).
+        psx::ServerStats all;
+        for (const auto& st : w.server_stats()) all += st;
+        std::printf("%s: servers counted %llu requests sent again, %llu of them duplicates\n", role.c_str(),
+                    static_cast<unsigned long long>(all.retried), static_cast<unsigned long long>(all.duplicates));
       }
     });
     if (z.tf.task.type == "chief") trained = psx_zmq_test::read_all(cluster);

@@ -848,8 +848,12 @@ TEST_CASE("zmq: a server restarted on the same endpoint is reconnected to") {
   first.down = true;
   first.thread.join();
   launch(0.25f, second);
-  // The worker's next calls reach the new server (which starts from the
-  // initializers: restoring state is what checkpoints are for).
+  // The worker's first call was for the server it knew: the new one refuses
+  // it unexecuted (never applied to a server it was not meant for), and
+  // names itself. The next calls reach the new server (which starts from
+  // the initializers: restoring state is what checkpoints are for).
+  CHECK_THROWS_WITH_AS(w.pull("w", v), doctest::Contains("restarted after this request was sent to it"),
+                       psx::peer_lost);
   w.pull("w", v);
   CHECK(v[0] == initial);
   w.push("w", g);
@@ -909,6 +913,139 @@ std::thread serve(const psx::ClusterConfig& config, const ClusterSpec& c, const 
 }
 
 }  // namespace
+
+TEST_CASE("zmq: a request sent again is executed once and answered again, and stale, cross-incarnation and new-process calls") {
+  // Worker 1 is a raw DEALER that names itself as a psx worker process does
+  // (routing id 'P', worker, incarnation) and sends what a worker resends
+  // after a reconnect; the chief reads what the server applied.
+  psx_test::Watchdog dog("zmq exactly once", std::chrono::seconds(60));
+  TempDir dir;
+  const ClusterSpec c = spec(1, 2, false, dir.path);
+  using Async = ZmqCluster<psx::partition::HashByName, psx::sync::Asynchronous, psx::optim::SGD>;
+  const psx::ClusterConfig config{1, 2, std::chrono::milliseconds(5000)};
+  std::atomic<bool> ended{false};
+  std::string how;
+  std::thread server = serve<Async>(config, c, dir.path, [](auto& ps) { declare_fuzz(ps); }, ended, how);
+  {
+    Async chief(config, {}, {}, {0.1f}, settings(c, "chief", 0, dir.path));
+    declare_fuzz(chief);
+    psx::Worker w = chief.worker(0);
+    std::vector<float> v(1000), initial(1000);
+    w.pull("w", initial);
+    const std::uint64_t fp = wire::fingerprint(1, 2, chief.variables());
+
+    zmq::context_t ctx;
+    // A worker-1 process of incarnation `inc`: its socket, welcomed.
+    auto process = [&](std::uint64_t inc) {
+      zmq::socket_t sock(ctx, zmq::socket_type::dealer);
+      std::string id = "P";
+      const std::uint32_t worker = 1;
+      id.append(reinterpret_cast<const char*>(&worker), 4);
+      id.append(reinterpret_cast<const char*>(&inc), 8);
+      sock.set(zmq::sockopt::routing_id, zmq::buffer(id));
+      sock.set(zmq::sockopt::linger, 0);
+      sock.connect(published_endpoint(dir.path));
+      const auto h = wire::encode_hello({fp, 1, 2, 1});
+      sock.send(zmq::buffer(h.data(), h.size()));
+      std::vector<zmq::message_t> welcome;
+      REQUIRE(zmq::recv_multipart(sock, std::back_inserter(welcome)));
+      return sock;
+    };
+    zmq::socket_t sock = process(0x1111);
+    std::uint64_t server_inc = 0;
+    {  // the server's incarnation, from a pong
+      psx::Request hb;
+      hb.op = psx::Op::heartbeat;
+      hb.worker = 1;
+      std::vector<wire::Segment> none;
+      zmq::send_multipart(sock, frames_of(wire::encode_request(hb, {0, fp, wire::max_chunk_bytes}, none), none));
+      std::vector<zmq::message_t> pong;
+      REQUIRE(zmq::recv_multipart(sock, std::back_inserter(pong)));
+      server_inc = wire::decode_signal(psx::transport::detail_zmq::bytes_of(pong[0]), "test");
+    }
+    const std::vector<float> g(1000, 1.0f);
+    std::vector<float> out(1000);
+    // Sends a push of g (or a read into `out`) as call `call`.
+    auto send = [&](zmq::socket_t& s, std::uint64_t call, std::uint64_t floor, bool resend,
+                    std::uint64_t incarnation, psx::Op op = psx::Op::push) {
+      psx::Item item;
+      item.variable = 0;
+      if (op == psx::Op::push) item.in = g;
+      else item.out = out;
+      psx::Request r;
+      r.op = op;
+      r.worker = 1;
+      r.items = {item};
+      std::vector<wire::Segment> segs;
+      wire::RequestHead head{call, fp, wire::max_chunk_bytes};
+      head.floor = floor;
+      head.incarnation = incarnation;
+      head.resend = resend;
+      zmq::send_multipart(s, frames_of(wire::encode_request(r, head, segs), segs));
+    };
+    std::vector<zmq::message_t> reply;  // the last answer's frames
+    auto answer = [&](zmq::socket_t& s) {
+      std::vector<zmq::pollitem_t> items{{s.handle(), 0, ZMQ_POLLIN, 0}};
+      REQUIRE(zmq::poll(items, std::chrono::milliseconds(20000)) == 1);
+      for (;;) {  // pongs (a server names its incarnation with one before a refusal) aside
+        reply.clear();
+        REQUIRE(zmq::recv_multipart(s, std::back_inserter(reply)));
+        if (wire::read_prefix(psx::transport::detail_zmq::bytes_of(reply[0]), "test").kind != wire::Kind::pong) break;
+      }
+      return wire::decode_reply_head(psx::transport::detail_zmq::bytes_of(reply[0]), "test");
+    };
+    auto applied = [&] {  // how many pushes of g "w" has had (lr 0.1, SGD)
+      w.pull("w", v);
+      return std::lround((initial[0] - v[0]) / 0.1f);
+    };
+
+    send(sock, 5, 5, false, server_inc);
+    auto rh = answer(sock);
+    CHECK(rh.call == 5);
+    CHECK(rh.status == wire::Status::ok);
+    // Sent again twice (its answer was lost, say): answered again, applied once.
+    send(sock, 5, 5, true, server_inc);
+    CHECK(answer(sock).call == 5);
+    send(sock, 5, 5, true, server_inc);
+    CHECK(answer(sock).call == 5);
+    CHECK(applied() == 1);
+    // Below the floor the worker acknowledged: dropped, unanswered (the
+    // next answer is the read's).
+    send(sock, 5, 7, true, server_inc);
+    send(sock, 7, 7, false, server_inc, psx::Op::read);
+    rh = answer(sock);
+    CHECK(rh.call == 7);
+    CHECK(rh.status == wire::Status::ok);
+    REQUIRE(reply.size() == 2);
+    REQUIRE(reply[1].size() == 1000 * sizeof(float));
+    CHECK(std::memcmp(reply[1].data(), v.data(), 1000 * sizeof(float)) == 0);
+    // For another incarnation of the server: refused unexecuted.
+    send(sock, 8, 8, false, server_inc + 1);
+    rh = answer(sock);
+    CHECK(rh.call == 8);
+    CHECK(rh.status == wire::Status::peer_lost);
+    CHECK(rh.text.find("restarted after this request was sent to it") != std::string::npos);
+    CHECK(applied() == 1);
+    // A new process of worker 1 numbers its calls afresh: its call 5 is new.
+    zmq::socket_t again = process(0x2222);
+    send(again, 5, 5, false, server_inc);
+    CHECK(answer(again).status == wire::Status::ok);
+    CHECK(applied() == 2);
+    const psx::ServerStats st = w.server_stats().at(0);
+    CHECK(st.retried == 3);
+    CHECK(st.duplicates == 3);
+    CHECK(st.pushes == 2);
+    psx::Request leave;
+    leave.op = psx::Op::leave;
+    leave.worker = 1;
+    std::vector<wire::Segment> none;
+    zmq::send_multipart(again, frames_of(wire::encode_request(leave, {0, fp, wire::max_chunk_bytes}, none), none));
+    w.leave();
+    chief.shutdown();
+  }
+  server.join();
+  CHECK(how == "returned");
+}
 
 TEST_CASE("zmq: a server stops when the chief dies while others wait, when a worker died before the stop, and after a chief that never left") {
   psx_test::Watchdog dog("zmq dead peers", std::chrono::seconds(120));

@@ -38,7 +38,7 @@ static_assert(std::endian::native == std::endian::little,
 inline constexpr std::uint32_t magic = 0x57585350u;
 //! Bumped whenever a layout below changes; peers of another version are
 //! refused at the handshake.
-inline constexpr std::uint16_t version = 2;
+inline constexpr std::uint16_t version = 3;
 //! Largest frame a sender makes: tensors above it are split into chunks.
 inline constexpr std::uint32_t max_chunk_bytes = 0x7fffffffu;  // 2 GiB - 1
 
@@ -90,7 +90,7 @@ struct Limits {
 
 inline constexpr std::size_t prefix_bytes = 8;
 inline constexpr std::size_t hello_bytes = 32;
-inline constexpr std::size_t request_fixed_bytes = 48;
+inline constexpr std::size_t request_fixed_bytes = 72;
 inline constexpr std::size_t item_bytes = 40;
 inline constexpr std::size_t reply_fixed_bytes = 32;
 
@@ -243,10 +243,25 @@ inline void add_tensor(std::vector<Segment>& out, const void* data, std::uint64_
 
 //! What the receiver of a request learns besides the Request itself.
 struct RequestHead {
-  std::uint64_t call = 0;  //!< 0: no reply wanted
+  std::uint64_t call = 0;  //!< 0: no reply wanted; else the sender's sequence number for it
   std::uint64_t fingerprint = 0;
   std::uint32_t chunk = max_chunk_bytes;
+  //! The lowest call the sender still waits on from this server: the
+  //! server may forget what it remembers of calls below it.
+  std::uint64_t floor = 0;
+  //! The server incarnation the sender addresses (from its welcome); 0:
+  //! any. A server of another incarnation refuses the request unexecuted.
+  std::uint64_t incarnation = 0;
+  //! Sent again (after a reconnect): the server answers it once more if it
+  //! has, and executes it only if it never received it.
+  bool resend = false;
 };
+//! Where a request header keeps `RequestHead::floor`, `incarnation` and the
+//! flags (bit 0: resend), so a sender can mark a stored header as a resend.
+inline constexpr std::size_t request_floor_at = 48;
+inline constexpr std::size_t request_incarnation_at = 56;
+inline constexpr std::size_t request_flags_at = 64;
+inline constexpr std::uint32_t request_flag_resend = 1;
 
 //! Per item of a request: what its reply tensor is.
 struct OutSpec {
@@ -271,6 +286,10 @@ inline std::vector<std::byte> encode_request(const Request& r, const RequestHead
   put(out, 36, static_cast<std::uint32_t>(r.items.size()));
   put(out, 40, static_cast<std::uint32_t>(reason.size()));
   put(out, 44, head.chunk);
+  put(out, request_floor_at, head.floor);
+  put(out, request_incarnation_at, head.incarnation);
+  put(out, request_flags_at, head.resend ? request_flag_resend : std::uint32_t{0});
+  put(out, request_flags_at + 4, std::uint32_t{0});
   std::size_t at = request_fixed_bytes;
   for (const Item& item : r.items) {
     const bool low = !item.out16.empty();
@@ -366,7 +385,7 @@ inline Incoming decode_request(std::span<const std::span<const std::byte>> frame
                      version_text(version));
   if (h.size() < request_fixed_bytes)
     throw wire_error("psx: " + std::string(where) + ": a " + std::to_string(h.size()) +
-                     "-byte request header is shorter than its fixed 48 bytes");
+                     "-byte request header is shorter than its fixed " + std::to_string(request_fixed_bytes) + " bytes");
   std::uint64_t total = 0;
   for (const auto& f : frames) total += f.size();
   if (total > limits.max_message_bytes)
@@ -384,6 +403,13 @@ inline Incoming decode_request(std::span<const std::span<const std::byte>> frame
   const auto items = get<std::uint32_t>(h, 36);
   const auto reason = get<std::uint32_t>(h, 40);
   in.head.chunk = get<std::uint32_t>(h, 44);
+  in.head.floor = get<std::uint64_t>(h, request_floor_at);
+  in.head.incarnation = get<std::uint64_t>(h, request_incarnation_at);
+  const auto flags = get<std::uint32_t>(h, request_flags_at);
+  if ((flags & ~request_flag_resend) != 0 || get<std::uint32_t>(h, request_flags_at + 4) != 0)
+    throw wire_error("psx: " + std::string(where) + ": unknown request flags " + std::to_string(flags) +
+                     " (or a reserved word set)");
+  in.head.resend = (flags & request_flag_resend) != 0;
   if (items > limits.max_items)
     throw wire_error("psx: " + std::string(where) + ": " + std::to_string(items) + " items, over the limit of " +
                      std::to_string(limits.max_items));

@@ -49,6 +49,8 @@
 #include <deque>
 #include <filesystem>
 #include <fstream>
+#include <iostream>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -134,6 +136,15 @@ struct Zmq {
   //! and spinning made 4 KiB round trips 1.5x raw libzmq's, against 1.2x
   //! without (benchmarks/zmq/bench_zmq.cpp under `taskset -c 0`).
   std::chrono::microseconds busy_poll{200};
+  //! The peer timeout a cluster gets when `ClusterConfig::peer_timeout` is
+  //! left at `transport_default`: a server silent this long while a call
+  //! waits on it fails the call with `psx::peer_lost`, and a worker silent
+  //! this long while others wait on it is lost (docs/faults.md). 30 s: far
+  //! above a live peer's longest silence (heartbeats every quarter of it;
+  //! a server's thread held by a save of a few GiB; a sanitizer build on
+  //! two loaded cores), and short enough that a dead peer is named in well
+  //! under a minute.
+  std::chrono::milliseconds default_peer_timeout{30000};
   Curve curve;
 
   //! TF_CONFIG for the cluster and task, PSX_RENDEZVOUS for `rendezvous`.
@@ -493,7 +504,8 @@ class Zmq::link_type {
       try {
         start_worker();
       } catch (...) {  // unanswered hellos must not hold the context open
-        for (auto& d : dealers_) d.set(zmq::sockopt::linger, 0);
+        for (auto& d : dealers_)
+          if (d) d.set(zmq::sockopt::linger, 0);
         throw;
       }
     }
@@ -583,12 +595,8 @@ class Zmq::link_type {
       call->bytes += item.in.size_bytes() + item.ids.size_bytes() + o.count * o.elem();
       call->outs.push_back(o);
     }
-    const std::uint64_t id = done ? next_call_.fetch_add(1) + 1 : 0;
-    ::psx::detail::wire::RequestHead head{id, fingerprint_, settings_.chunk_bytes};
+    ::psx::detail::wire::RequestHead head{0, fingerprint_, settings_.chunk_bytes};
     auto header = ::psx::detail::wire::encode_request(r, head, segs);
-    Frames frames;
-    frames.push_back(detail_zmq::message_of(header));
-    for (const auto& seg : segs) frames.push_back(detail_zmq::borrowed(seg, call));
     bool wake = false;
     {
       Lane& lane = lanes_[server];
@@ -596,6 +604,21 @@ class Zmq::link_type {
       {
         std::lock_guard lock(mu_);
         if (closing_) throw shutdown_error("psx: worker " + std::to_string(*worker_index_) + ": the link is closed");
+      }
+      // The call's number is taken under the lane, so the lane sends its
+      // calls in number order and the floor it tells the server (the
+      // lowest call it still waits on) never passes a call not yet sent.
+      const std::uint64_t id = done ? next_call_.fetch_add(1) + 1 : 0;
+      ::psx::detail::wire::put(header, 8, id);
+      stamp(header, server, id);
+      Frames frames;
+      frames.push_back(detail_zmq::message_of(header));
+      for (const auto& seg : segs) frames.push_back(detail_zmq::borrowed(seg, call));
+      if (id != 0) {
+        // Kept to send again after a reconnect (the segments borrow the
+        // caller's buffers, which stay borrowed until the call finishes).
+        call->header = std::move(header);
+        call->segs = std::move(segs);
       }
       // Straight onto the socket from the caller's thread, with no hand-off
       // to the I/O thread, unless older requests still wait (order kept).
@@ -608,7 +631,6 @@ class Zmq::link_type {
       // starts when a call starts waiting on it.
       if (id != 0) {
         call->id = id;
-        if (lane.pending.empty()) lane.last_heard = std::max(lane.last_heard, clock::now());
         lane.pending.emplace(id, call);
       }
       call->done = std::move(done);
@@ -751,6 +773,9 @@ class Zmq::link_type {
     std::exception_ptr error;
     std::vector<Out> outs;
     std::vector<std::vector<float>> gathered;
+    // The request as sent, to send again after a reconnect.
+    std::vector<std::byte> header;
+    std::vector<::psx::detail::wire::Segment> segs;
     std::uint64_t id = 0;
     std::uint64_t tag = 0;  // the worker's number for it (Request::call)
     std::size_t bytes = 0;  // payload both ways
@@ -768,8 +793,9 @@ class Zmq::link_type {
     }
   };
 
-  // The calls waiting for one server's answer, by call id.
-  using Pending = std::unordered_map<std::uint64_t, std::shared_ptr<WorkerCall>>;
+  // The calls waiting for one server's answer, by call id (ordered: the
+  // lowest is the floor a request tells the server).
+  using Pending = std::map<std::uint64_t, std::shared_ptr<WorkerCall>>;
 
   // Fails and forgets every call in `pending`, each with an error of its
   // own from `make_error`.
@@ -841,6 +867,10 @@ class Zmq::link_type {
     const std::string& address = settings_.tf.cluster.server_address(s);
     router_ = zmq::socket_t(zctx_, zmq::socket_type::router);
     router_.set(zmq::sockopt::router_mandatory, 1);
+    // A worker that reconnects after a dropped connection comes back with
+    // its routing id (open_dealer): the new connection takes it over, and
+    // answers go there rather than to the gone one.
+    router_.set(zmq::sockopt::router_handover, 1);
     router_.set(zmq::sockopt::linger, 1000);
     router_.set(zmq::sockopt::sndhwm, 0);
     router_.set(zmq::sockopt::rcvhwm, 0);
@@ -994,6 +1024,7 @@ class Zmq::link_type {
           h_(h),
           seen_(link.ctx_.num_workers, false),
           last_heard_(link.ctx_.num_workers),
+          windows_(link.ctx_.num_workers),
           name_("ps task " + std::to_string(*link.server_index_)) {
       for (std::uint32_t w = 0; w < link.ctx_.num_workers; ++w) senders_.push_back(sender_text(w));
     }
@@ -1052,7 +1083,66 @@ class Zmq::link_type {
       std::vector<zmq::message_t> frames;
       ::psx::detail::wire::Incoming in;
       std::vector<std::unique_ptr<std::uint64_t[]>> replies;
+      std::uint32_t worker = 0;  // the request's (it moves to the handler)
+      bool windowed = false;     // kept in its worker's window (its answer is remembered)
     };
+
+    // What a server remembers of one worker process's calls, so that a call
+    // sent again after a reconnect is executed once: the calls received
+    // and not yet acknowledged, each in progress or with the answer it got.
+    // A worker's request tells the lowest call it still waits on (the
+    // floor): everything below is forgotten then, so a window holds the
+    // calls the worker has in flight plus those answered since its last
+    // message (heartbeats carry the floor too: a quarter of the peer
+    // timeout at most). Bounded besides: the answers of reads (pulls,
+    // stats), which carry tensors, take at most `window_bytes`, the oldest
+    // forgotten first (a read sent again is simply served again); at most
+    // `window_calls` calls, the oldest answered forgotten first, and a
+    // call sent again below those is refused rather than executed twice.
+    static constexpr std::size_t window_bytes = std::size_t{64} << 20;
+    static constexpr std::size_t window_calls = std::size_t{1} << 16;
+    struct Window {
+      struct Entry {
+        bool answered = false;
+        bool read = false;                   // a read: executing it again changes nothing
+        std::vector<std::byte> header;       // the answer's header frame
+        std::shared_ptr<ServerCall> tensors;  // the answer's tensors (reads), borrowed again
+        std::size_t bytes = 0;               // tensor bytes kept
+      };
+      std::string routing;            // the worker process's routing id (worker, incarnation)
+      std::uint64_t floor = 0;        // calls below were acknowledged: forgotten
+      std::uint64_t refused_below = 0;  // a call below, not in `entries`, may have been executed: refused
+      std::map<std::uint64_t, Entry> entries;
+      std::size_t bytes = 0;
+
+      void forget(std::map<std::uint64_t, Entry>::iterator it) {
+        bytes -= it->second.bytes;
+        entries.erase(it);
+      }
+      void acknowledge(std::uint64_t below) {
+        if (below <= floor) return;
+        floor = below;
+        while (!entries.empty() && entries.begin()->first < below) forget(entries.begin());
+      }
+      // After an answer was kept: back within the bounds.
+      void trim() {
+        for (auto it = entries.begin(); bytes > window_bytes && it != entries.end();) {
+          if (it->second.answered && it->second.bytes > 0)
+            forget(it++);  // a read: served again if it comes again
+          else
+            ++it;
+        }
+        for (auto it = entries.begin(); entries.size() > window_calls && it != entries.end();) {
+          if (!it->second.answered) {
+            ++it;
+            continue;
+          }
+          if (!it->second.read) refused_below = std::max(refused_below, it->first + 1);
+          forget(it++);
+        }
+      }
+    };
+    enum class Seen : std::uint8_t { fresh, in_progress, answered, acknowledged, forgotten };
 
     clock::time_point monitor_due_{};
 
@@ -1304,9 +1394,45 @@ class Zmq::link_type {
       Request& r = call->in.request;
       // A cancel names the call by this worker's id for it (in the clock).
       r.call = r.op == Op::cancel ? r.clock : call_id;
+      call->worker = r.worker;
       heard_from(r.worker);
       if (r.op == Op::heartbeat)
         answer(call->routing, ::psx::detail::wire::encode_signal(::psx::detail::wire::Kind::pong, l_.incarnation_));
+      const ::psx::detail::wire::RequestHead& sent = call->in.head;
+      if (sent.resend) h_.link_event(RequestHandler::LinkEvent::retried);
+      if (call_id != 0 && sent.incarnation != 0 && sent.incarnation != l_.incarnation_) {
+        // Sent to the server this one replaced (it restarted): not executed.
+        // A pong first, so that the worker's next requests name this one.
+        if (r.op != Op::heartbeat)
+          answer(call->routing, ::psx::detail::wire::encode_signal(::psx::detail::wire::Kind::pong, l_.incarnation_));
+        return reply(call, call_id,
+                     std::make_exception_ptr(peer_lost(
+                         "psx: " + sender(r.worker) + ": " + name_ +
+                         " restarted after this request was sent to it; its previous incarnation's requests are "
+                         "lost, and this one was not executed")));
+      }
+      if (Window* win = window_of(r.worker, call->routing)) {
+        win->acknowledge(sent.floor);
+        if (call_id != 0) switch (admit(*win, call_id, r.op)) {
+            case Seen::fresh:
+              call->windowed = true;
+              break;
+            case Seen::answered:  // its answer was lost: the same answer again
+              h_.link_event(RequestHandler::LinkEvent::duplicate);
+              return send_now(remembered(*win, win->entries.find(call_id)->second));
+            case Seen::in_progress:  // answered when it completes, on the connection there is then
+            case Seen::acknowledged:  // the worker no longer waits for it
+              h_.link_event(RequestHandler::LinkEvent::duplicate);
+              return;
+            case Seen::forgotten:
+              h_.link_event(RequestHandler::LinkEvent::duplicate);
+              return reply(call, call_id,
+                           std::make_exception_ptr(wire_error(
+                               "psx: " + sender(r.worker) + ": call " + std::to_string(call_id) +
+                               " was sent again after " + name_ + " forgot its answer (over " +
+                               std::to_string(window_calls) + " calls in flight); it is not executed twice")));
+          }
+      }
       if (call_id != 0)
         r.done = std::make_shared<Completion>(1, [this, call, call_id](std::exception_ptr e) noexcept {
           try {
@@ -1318,25 +1444,90 @@ class Zmq::link_type {
       h_.handle(std::move(r));
     }
 
+    // The window of worker `w`'s current process, when `routing` is the
+    // routing id of a psx worker process claiming to be `w` (open_dealer);
+    // a new process of `w` (another incarnation) starts a new window. Null
+    // for any other peer: its calls are not remembered.
+    Window* window_of(std::uint32_t w, const zmq::message_t& routing) {
+      if (w >= windows_.size() || routing.size() != 13 || *static_cast<const char*>(routing.data()) != 'P')
+        return nullptr;
+      std::uint32_t claimed;
+      std::memcpy(&claimed, static_cast<const char*>(routing.data()) + 1, sizeof claimed);
+      if (claimed != w) return nullptr;
+      Window& win = windows_[w];
+      if (win.routing != routing.to_string_view()) {
+        win = Window{};
+        win.routing = routing.to_string();
+      }
+      return &win;
+    }
+
+    static Seen admit(Window& win, std::uint64_t id, Op op) {
+      if (id < win.floor) return Seen::acknowledged;
+      if (const auto it = win.entries.find(id); it != win.entries.end())
+        return it->second.answered ? Seen::answered : Seen::in_progress;
+      if (id < win.refused_below) return Seen::forgotten;
+      win.entries[id].read = op == Op::pull || op == Op::pull_rows || op == Op::read || op == Op::stats;
+      return Seen::fresh;
+    }
+
+    // The frames of a remembered answer, to the worker's current connection.
+    std::vector<zmq::message_t> remembered(const Window& win, const Window::Entry& e) {
+      std::vector<zmq::message_t> frames;
+      frames.emplace_back(win.routing.data(), win.routing.size());
+      frames.push_back(detail_zmq::message_of(e.header));
+      if (e.tensors)
+        for (const auto& seg : answer_segments(*e.tensors)) frames.push_back(detail_zmq::borrowed(seg, e.tensors));
+      return frames;
+    }
+
+    std::vector<::psx::detail::wire::Segment> answer_segments(const ServerCall& call) const {
+      std::vector<::psx::detail::wire::Segment> segs;
+      std::size_t b = 0;
+      for (const auto& o : call.in.outs)
+        if (o.count != 0)
+          ::psx::detail::wire::add_tensor(segs, call.replies[b++].get(), o.bytes(), l_.settings_.chunk_bytes);
+      return segs;
+    }
+
     void reply(const std::shared_ptr<ServerCall>& call, std::uint64_t id, std::exception_ptr error) {
+      std::vector<std::byte> header;
+      std::vector<::psx::detail::wire::Segment> segs;
       if (error) {
         auto [status, text] = ::psx::detail::wire::status_of(error);
-        return answer(call->routing, ::psx::detail::wire::encode_reply(id, status, text, 0, l_.settings_.chunk_bytes));
+        header = ::psx::detail::wire::encode_reply(id, status, text, 0, l_.settings_.chunk_bytes);
+      } else {
+        segs = answer_segments(*call);
+        std::uint32_t tensors = 0;
+        for (const auto& o : call->in.outs) tensors += o.count != 0;
+        header = ::psx::detail::wire::encode_reply(id, ::psx::detail::wire::Status::ok, {}, tensors,
+                                                   l_.settings_.chunk_bytes);
       }
+      if (call->windowed) remember(call, id, header, !segs.empty());
       std::vector<zmq::message_t> frames;
       frames.emplace_back(call->routing.data(), call->routing.size());
-      std::vector<::psx::detail::wire::Segment> segs;
-      std::uint32_t tensors = 0;
-      std::size_t b = 0;
-      for (const auto& o : call->in.outs) {
-        if (o.count == 0) continue;
-        ++tensors;
-        ::psx::detail::wire::add_tensor(segs, call->replies[b++].get(), o.bytes(), l_.settings_.chunk_bytes);
-      }
-      frames.push_back(detail_zmq::message_of(::psx::detail::wire::encode_reply(id, ::psx::detail::wire::Status::ok, {},
-                                                                                tensors, l_.settings_.chunk_bytes)));
+      frames.push_back(detail_zmq::message_of(header));
       for (const auto& seg : segs) frames.push_back(detail_zmq::borrowed(seg, call));
       send_now(std::move(frames));
+    }
+
+    // Keeps call `id`'s answer in its worker's window, if the window still
+    // waits for it (the worker may have acknowledged it, or restarted).
+    void remember(const std::shared_ptr<ServerCall>& call, std::uint64_t id, const std::vector<std::byte>& header,
+                  bool tensors) {
+      if (call->worker >= windows_.size() || windows_[call->worker].routing != call->routing.to_string_view()) return;
+      Window& win = windows_[call->worker];
+      const auto it = win.entries.find(id);
+      if (it == win.entries.end()) return;
+      auto& e = it->second;
+      e.answered = true;
+      e.header = header;
+      if (tensors) {
+        e.tensors = call;  // the answer buffers, shared with the frames being sent
+        for (const auto& o : call->in.outs) e.bytes += o.bytes();
+        win.bytes += e.bytes;
+      }
+      win.trim();
     }
 
     link_type& l_;
@@ -1346,6 +1537,7 @@ class Zmq::link_type {
     const clock::time_point started_ = clock::now();
     bool stop_ = false;
     std::vector<clock::time_point> last_heard_;  // per worker, by heard_from
+    std::vector<Window> windows_;                // per worker: its current process's calls
     const std::string name_;  // "ps task S"
     std::vector<std::string> senders_;
     std::string other_sender_;
@@ -1355,18 +1547,29 @@ class Zmq::link_type {
 
   void start_worker() {
     const auto deadline = clock::now() + settings_.start_timeout;
+    // 'P', the worker (u32) and this process's incarnation (u64): not 0 first, as libzmq wants.
+    routing_id_ = "P";
+    const auto w = static_cast<std::uint32_t>(*worker_index_);
+    routing_id_.append(reinterpret_cast<const char*>(&w), sizeof w);
+    routing_id_.append(reinterpret_cast<const char*>(&incarnation_), sizeof incarnation_);
     const std::size_t n = ctx_.num_servers;
     endpoints_.resize(n);
-    dealers_.reserve(n);
+    dealers_.resize(n);
+    monitors_.resize(n);
+    dropped_.assign(n, 0);
+    connected_.assign(n, 0);
+    const auto hello = [&](std::size_t s) {
+      detail_zmq::handing_over();
+      dealers_[s].send(detail_zmq::message_of(::psx::detail::wire::encode_hello(
+                           {fingerprint_, static_cast<std::uint32_t>(*worker_index_),
+                            static_cast<std::uint32_t>(ctx_.num_workers), static_cast<std::uint32_t>(n)})),
+                       zmq::send_flags::none);
+    };
     for (std::size_t s = 0; s < n; ++s) {
       endpoints_[s] = resolve_server(s, deadline);
       answer_from_.push_back(worker_name() + ": an answer from " + server_name(s));
-      auto& d = dealers_.emplace_back(make_dealer(s));
-      detail_zmq::handing_over();
-      d.send(detail_zmq::message_of(::psx::detail::wire::encode_hello(
-                 {fingerprint_, static_cast<std::uint32_t>(*worker_index_),
-                  static_cast<std::uint32_t>(ctx_.num_workers), static_cast<std::uint32_t>(n)})),
-             zmq::send_flags::none);
+      open_dealer(s);
+      hello(s);
     }
     // Every server must welcome us before training starts.
     std::vector<bool> welcomed(n, false);
@@ -1385,6 +1588,8 @@ class Zmq::link_type {
       for (auto& d : dealers_) items.push_back({d.handle(), 0, ZMQ_POLLIN, 0});
       detail_zmq::poll(items.data(), items.size(), std::chrono::milliseconds(detail_zmq::ms_until(deadline, now)));
       for (std::size_t s = 0; s < n; ++s) {
+        // A hello lost with a dropped connection goes again on the new one.
+        if (reconnected(s) && !welcomed[s]) hello(s);
         if (!(items[s].revents & ZMQ_POLLIN)) continue;
         std::vector<zmq::message_t> msg;
         if (!zmq::recv_multipart(dealers_[s], std::back_inserter(msg), zmq::recv_flags::dontwait)) continue;
@@ -1411,8 +1616,37 @@ class Zmq::link_type {
     io_ = std::thread([this] { io_loop(); });
   }
 
-  zmq::socket_t make_dealer(std::size_t s) {
+  // Makes server `s`'s socket (and the monitor that tells of its dropped
+  // connections), closing any it had, and connects it. Every socket of
+  // this process carries the same routing id, the worker and this
+  // process's incarnation: a reconnect after a dropped connection takes
+  // the id over at the server (ZMQ_ROUTER_HANDOVER), so answers sent after
+  // it reach the new connection instead of the gone one's id.
+  void open_dealer(std::size_t s) {
+    if (monitors_[s]) {
+      monitors_[s].set(zmq::sockopt::linger, 0);
+      monitors_[s].close();
+    }
+    if (dealers_[s]) {
+      dealers_[s].set(zmq::sockopt::linger, 0);
+      dealers_[s].close();
+    }
+    dropped_[s] = 0;
+    connected_[s] = 0;
     zmq::socket_t d(zctx_, zmq::socket_type::dealer);
+    d.set(zmq::sockopt::routing_id, zmq::buffer(routing_id_));
+    const std::string watch = "inproc://psx-dealer-" + std::to_string(s) + "-" + std::to_string(++monitored_);
+    if (zmq_socket_monitor(d.handle(), watch.c_str(), ZMQ_EVENT_CONNECTED | ZMQ_EVENT_DISCONNECTED) != 0)
+      throw config_error("psx: " + worker_name() + " cannot monitor its socket to " + server_name(s) + ": " +
+                         zmq_strerror(zmq_errno()));
+    zmq::socket_t m(zctx_, zmq::socket_type::pair);
+    m.set(zmq::sockopt::linger, 0);
+    m.connect(watch);
+    monitors_[s] = std::move(m);
+    dealers_[s] = make_dealer(s, std::move(d));
+  }
+
+  zmq::socket_t make_dealer(std::size_t s, zmq::socket_t d) {
     d.set(zmq::sockopt::linger, 2000);
     // No high-water mark: a worker's requests in flight are bounded by its
     // own calls, and a mark would make libzmq block or drop.
@@ -1430,6 +1664,12 @@ class Zmq::link_type {
     const auto beat = timeout.count() > 0 ? std::max<clock::duration>(timeout / 4, std::chrono::milliseconds(1))
                                           : clock::duration::max();
     auto next_beat = timeout.count() > 0 ? clock::now() + beat : clock::time_point::max();
+    // Silence is looked at every tenth of the timeout, so a server that
+    // died is named within 1.1 times it (its last answer came before it died).
+    const auto check = timeout.count() > 0 ? std::max<clock::duration>(timeout / 10, std::chrono::milliseconds(1))
+                                           : clock::duration::max();
+    auto next_check = timeout.count() > 0 ? clock::now() + check : clock::time_point::max();
+    auto last_look = clock::now();
     // Lane `s` held.
     auto fail_server = [&](std::size_t s, const std::string& why) {
       fail_calls(lanes_[s].pending, [&] { return std::make_exception_ptr(peer_lost(why)); });
@@ -1438,11 +1678,9 @@ class Zmq::link_type {
       // lets them go, so the failed calls complete, and reconnects to a
       // server that restarts on the same endpoint.
       lanes_[s].outbox.clear();
-      dealers_[s].set(zmq::sockopt::linger, 0);
-      dealers_[s].close();
-      dealers_[s] = make_dealer(s);
+      open_dealer(s);
     };
-    std::vector<::pollfd> fds(n + 1);
+    std::vector<::pollfd> fds(2 * n + 1);
     for (;;) {
       {
         std::lock_guard lock(mu_);
@@ -1452,30 +1690,42 @@ class Zmq::link_type {
         const auto now = clock::now();
         const bool beating = now >= next_beat;
         if (beating) next_beat = now + beat;
-        // Per lane: send what the socket takes (a full pipe keeps the rest:
+        const bool checking = now >= next_check;
+        if (checking) next_check = now + check;
+        // This thread stalled (the process stopped, or starved of a CPU):
+        // what the servers sent meanwhile could not be read, so that time
+        // is not their silence.
+        const auto stalled = now - last_look;
+        last_look = now;
+        // Per lane: send again what a dropped connection may have lost,
+        // send what the socket takes (a full pipe keeps the rest:
         // backpressure), fail the calls past their deadline, beat, and fail
         // a server silent for longer than the peer timeout while calls
         // wait on it.
         for (std::size_t s = 0; s < n; ++s) {
           Lane& lane = lanes_[s];
           std::lock_guard lock(lane.mu);
+          if (stalled > beat) lane.last_heard = std::min(now, lane.last_heard + stalled);
+          if (reconnected(s)) resend_pending(s);
           send_some(s);
           std::erase_if(lane.pending, [&](auto& p) {
             if (p.second->deadline > now) return false;
             p.second->error = std::make_exception_ptr(peer_lost(p.second->deadline_reason));
             return true;
           });
-          if (!beating) continue;
-          Request hb;
-          hb.op = Op::heartbeat;
-          hb.worker = static_cast<std::uint32_t>(*worker_index_);
-          std::vector<::psx::detail::wire::Segment> none;
-          Frames f;
-          f.push_back(detail_zmq::message_of(
-              ::psx::detail::wire::encode_request(hb, {0, fingerprint_, settings_.chunk_bytes}, none)));
-          lane.outbox.push_back(std::move(f));
-          send_some(s);
-          if (now - lane.last_heard > timeout && !lane.pending.empty())
+          if (beating) {
+            Request hb;
+            hb.op = Op::heartbeat;
+            hb.worker = static_cast<std::uint32_t>(*worker_index_);
+            std::vector<::psx::detail::wire::Segment> none;
+            auto header = ::psx::detail::wire::encode_request(hb, {0, fingerprint_, settings_.chunk_bytes}, none);
+            stamp(header, s, 0);
+            Frames f;
+            f.push_back(detail_zmq::message_of(header));
+            lane.outbox.push_back(std::move(f));
+            send_some(s);
+          }
+          if (checking && now - lane.last_heard > timeout && !lane.pending.empty())
             fail_server(s, "psx: " + worker_name() + ": " + server_name(s) + " sent nothing for " +
                                std::to_string(
                                    std::chrono::duration_cast<std::chrono::milliseconds>(now - lane.last_heard).count()) +
@@ -1496,11 +1746,18 @@ class Zmq::link_type {
         }
         if (again) continue;
         // While a caller waits in await it reads the sockets: this thread
-        // looks again within 10 ms (the last waiter to go wakes it).
+        // looks again within 10 ms (the last waiter to go wakes it). The
+        // monitors (after the sockets) wake it at a dropped connection.
         const bool waited_on = waiters_.load() > 0;
-        ::poll(fds.data(), waited_on ? 1 : fds.size(),
-               detail_zmq::ms_until(std::min(next_beat, now + (waited_on ? std::chrono::milliseconds(10)
-                                                                          : std::chrono::milliseconds(1000))),
+        for (std::size_t s = 0; s < n; ++s) {
+          std::lock_guard lock(lanes_[s].mu);
+          fds[n + 1 + s] = {monitors_[s].get(zmq::sockopt::fd), POLLIN, 0};
+        }
+        if (waited_on) std::copy(fds.begin() + n + 1, fds.end(), fds.begin() + 1);
+        ::poll(fds.data(), waited_on ? n + 1 : fds.size(),
+               detail_zmq::ms_until(std::min({next_beat, next_check,
+                                              now + (waited_on ? std::chrono::milliseconds(10)
+                                                               : std::chrono::milliseconds(1000))}),
                                     clock::now()));
         if (fds[0].revents & POLLIN) waker_.drain();
       } catch (...) {
@@ -1540,7 +1797,12 @@ class Zmq::link_type {
     for (std::size_t s = 0; s < n; ++s) {
       std::lock_guard lock(lanes_[s].mu);
       lanes_[s].outbox.clear();
+      // A server with no connection now (dead, or never reached) would
+      // hold the process for the whole linger with frames it cannot take.
+      reconnected(s);
+      if (!connected_[s]) dealers_[s].set(zmq::sockopt::linger, 0);
       dealers_[s].close();
+      monitors_[s].close();
       lanes_[s].closed = true;
     }
   }
@@ -1585,6 +1847,75 @@ class Zmq::link_type {
   void send_some(std::size_t s) {
     auto& box = lanes_[s].outbox;
     while (!box.empty() && send_frames(dealers_[s], box.front())) box.pop_front();
+  }
+
+  // Lane `s` held (or before the I/O thread runs): writes into a request
+  // header the server incarnation it is for and the floor, the lowest
+  // call this worker still waits on from `s` (the server may forget the
+  // answers below it). Calls are numbered under the lane, so no call
+  // below the floor is still to come.
+  void stamp(std::vector<std::byte>& header, std::size_t s, std::uint64_t id) const {
+    std::uint64_t floor = id != 0 ? id : next_call_.load() + 1;
+    if (lanes_ && !lanes_[s].pending.empty()) floor = std::min(floor, lanes_[s].pending.begin()->first);
+    ::psx::detail::wire::put(header, ::psx::detail::wire::request_floor_at, floor);
+    ::psx::detail::wire::put(header, ::psx::detail::wire::request_incarnation_at, incarnations_[s]);
+  }
+
+  // Lane `s` held (or before the I/O thread runs): reads the connection
+  // events of server `s`'s socket; true when it connected again after a
+  // drop, so what was in flight may be lost both ways.
+  bool reconnected(std::size_t s) {
+    bool again = false;
+    for (int k = 0; k < 64; ++k) {
+      std::vector<zmq::message_t> event;
+      try {
+        if (!zmq::recv_multipart(monitors_[s], std::back_inserter(event), zmq::recv_flags::dontwait)) break;
+      } catch (const zmq::error_t&) {
+        break;
+      }
+      detail_zmq::taken_over();
+      if (event.empty() || event[0].size() < 6) continue;
+      std::uint16_t what;
+      std::memcpy(&what, event[0].data(), sizeof what);
+      if (what == ZMQ_EVENT_DISCONNECTED) {
+        dropped_[s] = 1;
+        connected_[s] = 0;
+      } else if (what == ZMQ_EVENT_CONNECTED) {
+        connected_[s] = 1;
+        if (dropped_[s]) again = true;
+        dropped_[s] = 0;
+      }
+    }
+    return again;
+  }
+
+  // Lane `s` held: after a reconnect, sends every call still waiting on
+  // `s` again, in call order and ahead of what waits to be sent. The
+  // server executes a call it never received and answers again one it
+  // has (its window of answers, ServerLoop::Window), so nothing is
+  // applied twice; an answer that comes twice is taken once.
+  void resend_pending(std::size_t s) {
+    Lane& lane = lanes_[s];
+    std::deque<Frames> again;
+    for (auto& [id, call] : lane.pending) {
+      if (call->header.empty()) continue;
+      // The incarnation stays the one it was first sent to: a server that
+      // restarted since refuses it unexecuted.
+      std::vector<std::byte> header = call->header;
+      ::psx::detail::wire::put(header, ::psx::detail::wire::request_floor_at, lane.pending.begin()->first);
+      ::psx::detail::wire::put(header, ::psx::detail::wire::request_flags_at,
+                               ::psx::detail::wire::request_flag_resend);
+      Frames f;
+      f.push_back(detail_zmq::message_of(header));
+      for (const auto& seg : call->segs) f.push_back(detail_zmq::borrowed(seg, call));
+      again.push_back(std::move(f));
+    }
+    resent_.fetch_add(again.size(), std::memory_order_relaxed);
+    std::cerr << "psx: info: " + worker_name() + ": reconnected to " + server_name(s) + "; " +
+                     std::to_string(again.size()) + " waiting requests sent again\n";
+    lane.outbox.insert(lane.outbox.begin(), std::make_move_iterator(again.begin()),
+                       std::make_move_iterator(again.end()));
+    send_some(s);
   }
 
   // Handles one message from server `s`; returns why every call waiting on
@@ -1694,8 +2025,10 @@ class Zmq::link_type {
   zmq::socket_t zap_socket_;
   std::thread zap_;
   std::atomic<std::uint64_t> zap_denied_{0};
-  // Sent in welcomes and pongs: a worker that sees another value knows the
-  // server restarted and that the requests it had are gone.
+  // This process's incarnation. A server sends it in welcomes and pongs: a
+  // worker that sees another value knows the server restarted and that the
+  // requests it had are gone. A worker's routing id carries it, so a
+  // server tells a restarted worker process from a reconnected one.
   const std::uint64_t incarnation_ = ::psx::detail::mix64(
       std::random_device{}() ^ static_cast<std::uint64_t>(clock::now().time_since_epoch().count()));
   std::string bound_;
@@ -1704,6 +2037,12 @@ class Zmq::link_type {
   std::vector<std::string> endpoints_;
   std::vector<std::string> answer_from_;  // "worker W: an answer from ps task S (endpoint)", for errors
   std::vector<zmq::socket_t> dealers_;  // dealers_[s] only under lanes_[s].mu once the I/O thread runs
+  std::vector<zmq::socket_t> monitors_;  // dealers_[s]'s connection events, likewise
+  std::vector<char> dropped_;           // dealers_[s] lost its connection (not yet back), likewise
+  std::vector<char> connected_;         // dealers_[s] has a connection now, likewise
+  std::uint64_t monitored_ = 0;         // monitors made (each has an inproc name of its own)
+  std::string routing_id_;              // 'P', worker, incarnation_: every dealer's
+  std::atomic<std::uint64_t> resent_{0};  // requests sent again after reconnects
   std::unique_ptr<Lane[]> lanes_;
   std::vector<std::uint64_t> incarnations_;  // each server's, from its welcome
   std::thread io_;
