@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Tests of tools/psx-launch: the tasks it starts and their TF_CONFIG, the role
 # prefixes, stopping everything when one process fails or the launcher is
-# signalled (no process left behind), ipc addresses, --spec, bad arguments.
+# signalled (no process left behind), ipc addresses, --spec, bad arguments,
+# restarts (--restart on-failure, PSX_RESTART_COUNT, back-off, pid files).
 # Usage: launcher_test.sh PATH/TO/psx-launch. Exit 0: every check passed.
 set -u
 
@@ -275,11 +276,205 @@ bad "--workers needs a value" --workers
 bad "--transport must be tcp or ipc, got 'udp'" --transport udp -- "$touch_prog"
 bad "--grace must be a number of seconds, got 'soon'" --grace soon -- "$touch_prog"
 bad "unknown option '--bogus'" --bogus -- "$touch_prog"
+bad "--restart must be no or on-failure, got 'always'" --restart always -- "$touch_prog"
+bad "--max-restarts and --restart-backoff need --restart on-failure" --max-restarts 2 -- "$touch_prog"
+bad "--max-restarts and --restart-backoff need --restart on-failure" --restart no --restart-backoff 1 -- "$touch_prog"
+bad "--max-restarts must be a whole number >= 0, got '-1'" --restart on-failure --max-restarts -1 -- "$touch_prog"
+bad "--restart-backoff must be a number of seconds, got '1s'" --restart=on-failure --restart-backoff 1s -- "$touch_prog"
+bad "--pid-dir: cannot make or write the directory" --pid-dir "$touch_prog/pids" -- "$touch_prog"
 bad "--spec and --ps/--workers exclude each other" --spec "$tmp/spec.json" --ps 2 -- "$touch_prog"
 bad "--spec and --transport exclude each other" --transport ipc --spec "$tmp/spec.json" -- "$touch_prog"
 bad "cannot read the spec file" --spec "$tmp/no-such-file.json" -- "$touch_prog"
 run --help
 if [[ $rc != 0 ]] || ! grep -q '^usage: psx-launch' "$tmp/out"; then fail "--help: status $rc"; fi
+
+# --- (f) restarts ---------------------------------------------------------------------
+# A program that appends "PSX_RESTART_COUNT pid TF_CONFIG PSX_RENDEZVOUS" to
+# $dir/<job>-<index>, then, by mode:
+#   flaky: ps 0 exits 4 in its first two incarnations; everyone else exits 0
+#   always: worker 0 exits 6, always; the others wait for $dir/go
+#   wait: everyone waits for $dir/go (up to 15 s, then exits 9), then exits 0
+#   ps-fails: ps 0 exits 4, always; the others wait for $dir/go
+#   ps-fails-stubborn: the same, the others ignoring SIGTERM
+# In mode flaky each checks that $PSX_RENDEZVOUS/pids/<job>-<index> holds its
+# pid, and ps 0's last incarnation that the chief's file went with the chief.
+restart_prog=$tmp/$marker-restart.sh
+cat >"$restart_prog" <<'EOF'
+#!/usr/bin/env bash
+dir=$1 mode=$2
+re='"task":\{"type":"([a-z]+)","index":([0-9]+)\}\}$'
+[[ ${TF_CONFIG-} =~ $re ]] || { echo "bad TF_CONFIG: '${TF_CONFIG-}'"; exit 1; }
+me=${BASH_REMATCH[1]}-${BASH_REMATCH[2]}
+echo "${PSX_RESTART_COUNT-unset} $$ $TF_CONFIG $PSX_RENDEZVOUS" >>"$dir/$me"
+echo "incarnation ${PSX_RESTART_COUNT-unset}"
+wait_go() {
+  for ((i = 0; i < 300; i++)); do [[ -e $dir/go ]] && exit 0; sleep 0.05; done
+  exit 9
+}
+case $mode:$me in
+  flaky:*)
+    for ((i = 0; i < 100; i++)); do  # the launcher writes it once this runs
+      [[ $(cat "$PSX_RENDEZVOUS/pids/$me" 2>/dev/null) == "$$" ]] && break
+      sleep 0.05
+    done
+    ((i < 100)) || echo "# no pid file" >>"$dir/$me"
+    [[ $me == ps-0 ]] || exit 0
+    ((PSX_RESTART_COUNT < 2)) && exit 4
+    for ((i = 0; i < 100; i++)); do  # the chief exits 0 at once
+      [[ -e $PSX_RENDEZVOUS/pids/chief-0 ]] || break
+      sleep 0.05
+    done
+    ((i < 100)) || echo "# stale pid file" >>"$dir/$me"
+    exit 0 ;;
+  always:worker-0) exit 6 ;;
+  ps-fails*:ps-0) exit 4 ;;
+  ps-fails-stubborn:*) trap '' TERM ;;
+esac
+wait_go
+EOF
+chmod +x "$restart_prog"
+
+fresh() { rm -rf "$tmp/r" "$tmp/pids" && mkdir -p "$tmp/r"; }  # no stale pid file can name a reused pid
+records() { grep -v '^#' "$tmp/r/$1" 2>/dev/null; }  # job-index: its lines, without the "# " notes
+counts() { records "$1" | cut -d' ' -f1 | tr '\n' ' '; }
+# Waits up to 20 s for a pid file that holds something other than $2; sets pid.
+wait_pid_file() {  # file, old pid
+  local i
+  for ((i = 0; i < 400; i++)); do
+    pid=$(cat "$1" 2>/dev/null)
+    [[ -n $pid && $pid != "${2-}" ]] && return 0
+    sleep 0.05
+  done
+  return 1
+}
+
+# Fails twice, then succeeds: restarted as the same task, counts 0, 1, 2,
+# the back-off 0.2 s then 0.4 s (0.6 s at least).
+fresh
+run --ps 1 --workers 2 --restart on-failure --restart-backoff 0.2 -- "$restart_prog" "$tmp/r" flaky
+[[ $rc == 0 ]] || { fail "(f) flaky: exit status $rc, expected 0"; show; }
+[[ $(counts ps-0) == "0 1 2 " ]] || { fail "(f) flaky: ps 0's PSX_RESTART_COUNT: $(counts ps-0), expected 0 1 2"; show; }
+[[ $(counts chief-0) == "0 " && $(counts worker-0) == "0 " ]] ||
+  { fail "(f) flaky: the others ran once: chief $(counts chief-0), worker $(counts worker-0)"; show; }
+[[ $(records ps-0 | cut -d' ' -f3- | sort -u | wc -l) == 1 ]] ||
+  { fail "(f) flaky: ps 0 restarted with another TF_CONFIG or PSX_RENDEZVOUS:"$'\n'"$(cat "$tmp/r/ps-0")"; }
+grep -q '"task":{"type":"ps","index":0}' "$tmp/r/ps-0" || fail "(f) flaky: ps 0's TF_CONFIG: $(cat "$tmp/r/ps-0")"
+! grep -q 'no pid file' "$tmp/r"/* || fail "(f) flaky: \$PSX_RENDEZVOUS/pids/<job>-<index> did not name the process: $(grep -l 'no pid file' "$tmp/r"/*)"
+! grep -q 'stale pid file' "$tmp/r/ps-0" || fail "(f) flaky: the chief's pid file outlived it by 5 s"
+got=$(grep '^psx-launch: ' "$tmp/err")
+expected='psx-launch: ps 0 exited with status 4; restart 1 of 3 in 0.2 s
+psx-launch: ps 0 exited with status 4; restart 2 of 3 in 0.4 s'
+[[ $got == "$expected" ]] || { fail "(f) flaky: the launcher's lines:"$'\n'"$got"$'\n'"expected:"$'\n'"$expected"; show; }
+[[ $(grep -c '^\[ps 0\] incarnation [012]$' "$tmp/out") == 3 ]] || { fail "(f) flaky: the restarts' output, prefixed"; show; }
+((elapsed >= 600)) || fail "(f) flaky: done in ${elapsed} ms, before the 0.2 + 0.4 s back-off"
+check_none_left "(f) flaky"
+
+# Always fails: restarted --max-restarts times (back-off 0.1, 0.2, 0.4 s),
+# then the others stopped and its status.
+fresh
+run --ps 1 --workers 2 --restart on-failure --max-restarts 3 --restart-backoff 0.1 -- "$restart_prog" "$tmp/r" always
+[[ $rc == 6 ]] || { fail "(f) always: exit status $rc, expected 6"; show; }
+[[ $(counts worker-0) == "0 1 2 3 " ]] || { fail "(f) always: worker 0's PSX_RESTART_COUNT: $(counts worker-0)"; show; }
+got=$(grep '^psx-launch: ' "$tmp/err")
+expected='psx-launch: worker 0 exited with status 6; restart 1 of 3 in 0.1 s
+psx-launch: worker 0 exited with status 6; restart 2 of 3 in 0.2 s
+psx-launch: worker 0 exited with status 6; restart 3 of 3 in 0.4 s
+psx-launch: worker 0 exited with status 6; no restarts left (3 of 3); stopping the others'
+[[ $got == "$expected" ]] || { fail "(f) always: the launcher's lines:"$'\n'"$got"$'\n'"expected:"$'\n'"$expected"; show; }
+((elapsed >= 700)) || fail "(f) always: done in ${elapsed} ms, before the 0.1 + 0.2 + 0.4 s back-off"
+[[ $(counts ps-0) == "0 " ]] || fail "(f) always: ps 0 ran $(counts ps-0)"
+check_none_left "(f) always"
+
+# SIGKILL to a task's current process, found in --pid-dir: restarted, its
+# new pid in the file; everyone exits 0 once told to; the files removed at exit.
+fresh
+"${limit[@]}" "$launch" --ps 1 --workers 2 --restart on-failure --restart-backoff 0.1 --pid-dir "$tmp/pids" \
+  -- "$restart_prog" "$tmp/r" wait >"$tmp/out" 2>"$tmp/err" &
+launcher_pid=$!
+if wait_pid_file "$tmp/pids/ps-0" && old=$pid && wait_pid_file "$tmp/pids/worker-0" && wait_pid_file "$tmp/pids/chief-0"; then
+  kill -s KILL "$old"
+  wait_pid_file "$tmp/pids/ps-0" "$old" || fail "(f) SIGKILL: no new pid in $tmp/pids/ps-0 within 20 s"
+  new=$pid
+else
+  fail "(f) SIGKILL: no pid files in $tmp/pids within 20 s"
+fi
+touch "$tmp/r/go"
+wait "$launcher_pid"
+rc=$?
+[[ $rc == 0 ]] || { fail "(f) SIGKILL: exit status $rc, expected 0"; show; }
+grep -qx 'psx-launch: ps 0 exited with status 137 (SIGKILL); restart 1 of 3 in 0.1 s' "$tmp/err" ||
+  { fail "(f) SIGKILL: no restart line"; show; }
+[[ $(counts ps-0) == "0 1 " ]] || { fail "(f) SIGKILL: ps 0's PSX_RESTART_COUNT: $(counts ps-0)"; show; }
+[[ $(records ps-0 | cut -d' ' -f2 | tr '\n' ' ') == "${old-} ${new-} " ]] ||
+  fail "(f) SIGKILL: pids $(records ps-0 | cut -d' ' -f2 | tr '\n' ' '), the pid files said ${old-} then ${new-}"
+[[ -z $(ls -A "$tmp/pids") ]] || fail "(f) SIGKILL: pid files left at exit: $(ls -A "$tmp/pids")"
+check_none_left "(f) SIGKILL"
+
+# The same with --restart no: today's behaviour, everyone stopped.
+fresh
+"${limit[@]}" "$launch" --ps 1 --workers 2 --restart no --pid-dir "$tmp/pids" \
+  -- "$restart_prog" "$tmp/r" wait >"$tmp/out" 2>"$tmp/err" &
+launcher_pid=$!
+if wait_pid_file "$tmp/pids/worker-0" && wait_pid_file "$tmp/pids/ps-0" && wait_pid_file "$tmp/pids/chief-0"; then
+  kill -s KILL "$(cat "$tmp/pids/worker-0")"
+else
+  fail "(f) --restart no: no pid files in $tmp/pids within 20 s"
+fi
+wait "$launcher_pid"
+rc=$?
+[[ $rc == 137 ]] || { fail "(f) --restart no: exit status $rc, expected 137"; show; }
+grep -qx 'psx-launch: worker 0 exited with status 137; stopping the others' "$tmp/err" ||
+  { fail "(f) --restart no: the message"; show; }
+[[ $(grep -c '^psx-launch: ' "$tmp/err") == 1 ]] || { fail "(f) --restart no: other lines"; show; }
+[[ $(counts worker-0) == "0 " ]] || fail "(f) --restart no: worker 0 ran $(counts worker-0)"
+check_none_left "(f) --restart no"
+
+# SIGTERM to the launcher during a 30 s back-off: no restart, all stopped
+# well before the back-off would end.
+fresh
+set -m
+"$launch" --ps 1 --workers 2 --restart on-failure --restart-backoff 30 -- "$restart_prog" "$tmp/r" ps-fails >"$tmp/out" 2>"$tmp/err" &
+launcher_pid=$!
+set +m
+for ((i = 0; i < 400; i++)); do
+  grep -q 'restart 1 of 3 in 30.0 s' "$tmp/err" && [[ -s $tmp/r/chief-0 && -s $tmp/r/worker-0 ]] && break
+  sleep 0.05
+done
+((i < 400)) || { fail "(f) SIGTERM in the back-off: no restart line within 20 s"; show; }
+t0=$(ms)
+kill -s TERM "$launcher_pid"
+for ((i = 0; i < 200; i++)); do kill -0 "$launcher_pid" 2>/dev/null || break; sleep 0.05; done
+kill -s KILL "$launcher_pid" 2>/dev/null  # still there after 10 s: the checks below fail
+wait "$launcher_pid"
+rc=$?
+elapsed=$(($(ms) - t0))
+[[ $rc == 143 ]] || { fail "(f) SIGTERM in the back-off: exit status $rc, expected 143"; show; }
+((elapsed < 10000)) || fail "(f) SIGTERM in the back-off: took ${elapsed} ms to stop"
+grep -qx 'psx-launch: got SIGTERM; stopping every process' "$tmp/err" || { fail "(f) SIGTERM in the back-off: message"; show; }
+[[ $(counts ps-0) == "0 " ]] || { fail "(f) SIGTERM in the back-off: ps 0 ran $(counts ps-0)"; show; }
+check_none_left "(f) SIGTERM in the back-off"
+
+# The same with a 0.5 s back-off, and the others ignoring SIGTERM for their
+# --grace of 2 s: the restart, due while they stop, does not come.
+fresh
+set -m
+"$launch" --ps 1 --workers 2 --grace 2 --restart on-failure --restart-backoff 0.5 \
+  -- "$restart_prog" "$tmp/r" ps-fails-stubborn >"$tmp/out" 2>"$tmp/err" &
+launcher_pid=$!
+set +m
+for ((i = 0; i < 400; i++)); do
+  grep -q 'restart 1 of 3 in 0.5 s' "$tmp/err" && [[ -s $tmp/r/chief-0 && -s $tmp/r/worker-0 ]] && break
+  sleep 0.05
+done
+((i < 400)) || { fail "(f) SIGTERM in the back-off, --grace 2: no restart line within 20 s"; show; }
+kill -s TERM "$launcher_pid"
+for ((i = 0; i < 200; i++)); do kill -0 "$launcher_pid" 2>/dev/null || break; sleep 0.05; done
+kill -s KILL "$launcher_pid" 2>/dev/null
+wait "$launcher_pid"
+rc=$?
+[[ $rc == 143 ]] || { fail "(f) SIGTERM in the back-off, --grace 2: exit status $rc, expected 143"; show; }
+[[ $(counts ps-0) == "0 " ]] || { fail "(f) SIGTERM in the back-off, --grace 2: ps 0 ran $(counts ps-0)"; show; }
+check_none_left "(f) SIGTERM in the back-off, --grace 2"
 
 check_none_left "the end"
 if ((failures > 0)); then
