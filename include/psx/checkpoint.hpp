@@ -60,6 +60,7 @@
 #include <streambuf>
 #include <typeinfo>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace psx {
@@ -712,9 +713,8 @@ inline Manifest load_manifest(const fs::path& dir) {
 // -- restore: what a server reads ----------------------------------------------------------
 
 
-// Whether the checkpoint `m` in `dir` can restore `variables`: each is in
-// it with the same shape, dtype and row width, the optimizer keeps as many
-// slots, and every shard file has the header and size the manifest lists.
+// Whether the checkpoint `m` can restore a variable: it is in it with the
+// same shape, dtype and row width, and the optimizer keeps as many slots.
 inline void check_variable(const Manifest& m, const fs::path& manifest_file, const ManifestVariable* v,
                            const VariableMeta& meta, std::size_t num_slots) {
   if (!v) fail(manifest_file, "has no variable '" + meta.name + "', which this program declares");
@@ -773,11 +773,29 @@ inline void check_compatible(const Manifest& m, const fs::path& dir, const std::
                               optimizer_kind(optimizer) + ")");
   for (const VariableInfo& v : variables)
     check_variable(m, dir / manifest_name, find_variable(m, v.meta.name), v.meta, num_slots);
+}
+
+// Whether every shard file of the checkpoint `m` in `dir` has the header
+// and size the manifest lists (their data is not read).
+inline void check_files(const Manifest& m, const fs::path& dir) {
   for (const ManifestFile& f : m.files) {
     std::uint64_t size = 0;
     const Header h = read_header(dir / f.name, FileKind::shards, &size);
     check_listed(dir / f.name, size, h, f, m.step);
   }
+}
+
+// The manifest of a complete checkpoint in `dir`: it reads, it is of the
+// step its directory's name says (`step`, where given), and every shard
+// file it lists is there with its header and size. What `list()` asks of a
+// checkpoint; a restore then checks the data's CRCs too.
+inline Manifest load_complete(const fs::path& dir, std::optional<std::uint64_t> step = std::nullopt) {
+  Manifest m = load_manifest(dir);
+  if (step && m.step != *step)
+    fail(dir / manifest_name, "is of step " + std::to_string(m.step) + ", its directory's name says " +
+                                  std::to_string(*step));
+  check_files(m, dir);
+  return m;
 }
 
 inline std::uint64_t read_shards(const ::psx::detail::PersistRequest& r, std::span<::psx::detail::RestoredShard> targets) {
@@ -1033,31 +1051,46 @@ inline Variable load_variable(const std::filesystem::path& dir, const std::strin
           m.optimizer_slots, target.version};
 }
 
-//! The complete checkpoints under `root`, oldest first: those whose
-//! manifest reads and whose shard files have the headers and sizes it lists.
-inline std::vector<Info> list(const std::filesystem::path& root) {
+namespace detail {
+
+// Every directory under `root` named as a checkpoint (`ckpt-<step>`),
+// complete or not, oldest first.
+inline std::vector<Info> checkpoint_dirs(const fs::path& root) {
   std::vector<Info> out;
   std::error_code ec;
   // Each step with an error code: a directory pruned while it is listed
   // ends the listing, with no filesystem_error.
-  for (std::filesystem::directory_iterator it(root, ec), last; !ec && it != last; it.increment(ec)) {
-    const std::filesystem::directory_entry& e = *it;
-    const auto step = detail::step_of_dir_name(e.path().filename().string());
+  for (fs::directory_iterator it(root, ec), last; !ec && it != last; it.increment(ec)) {
+    const fs::directory_entry& e = *it;
+    const auto step = step_of_dir_name(e.path().filename().string());
     std::error_code kind;  // not the listing's: an entry gone meanwhile is skipped
-    if (!step || !e.is_directory(kind)) continue;
-    try {
-      const Manifest m = detail::load_manifest(e.path());
-      if (m.step != *step) continue;
-      detail::check_compatible(m, e.path(), {}, 0);  // the files' headers and sizes
-      out.push_back({e.path(), m.step});
-    } catch (const checkpoint_error&) {  // incomplete or damaged: not a candidate
-    }
+    if (step && e.is_directory(kind)) out.push_back({e.path(), *step});
   }
   std::sort(out.begin(), out.end(), [](const Info& a, const Info& b) { return a.step < b.step; });
   return out;
 }
 
-//! The newest complete checkpoint under `root`, if any.
+}  // namespace detail
+
+//! The complete checkpoints under `root`, oldest first: those whose
+//! manifest reads, is of the step the directory's name says, and lists
+//! shard files that are all there with the headers and sizes it records.
+//! Their data is not read: `verify` checks its CRCs, and a restore does
+//! (`Manager::restore_or_init` then falls back to an older checkpoint).
+inline std::vector<Info> list(const std::filesystem::path& root) {
+  std::vector<Info> out;
+  for (Info& c : detail::checkpoint_dirs(root)) {
+    try {
+      detail::load_complete(c.path, c.step);
+      out.push_back(std::move(c));
+    } catch (const checkpoint_error&) {  // incomplete or damaged: not a candidate
+    }
+  }
+  return out;
+}
+
+//! The newest complete checkpoint under `root` (as `list` means it), if
+//! any; its data is not read.
 inline std::optional<Info> latest(const std::filesystem::path& root) {
   auto all = list(root);
   if (all.empty()) return std::nullopt;
@@ -1065,6 +1098,14 @@ inline std::optional<Info> latest(const std::filesystem::path& root) {
 }
 
 namespace detail {
+
+// Servers that read their part of the checkpoint of `step` drop it.
+inline void drop_staged_restore(Worker& w, std::uint64_t step) noexcept {
+  try {
+    ::psx::detail::WorkerAccess::call_every_server(w, Op::restore, step, "-");
+  } catch (...) {  // a server that cannot be told drops it at the next restore
+  }
+}
 
 // Runs `f` on the chief alone, then a barrier in which every worker learns
 // whether it worked (Worker::agree_max): the chief rethrows its own error,
@@ -1086,6 +1127,50 @@ void on_chief(Worker& w, const std::string& what, F&& f) {
   if (failed)
     throw checkpoint_error("psx: worker " + std::to_string(w.index()) + ": the chief could not " + what +
                            " (its error says why)");
+}
+
+// A checkpoint whose own files are at fault (a manifest or shard file
+// missing, truncated, corrupted, or not the one the manifest lists), as
+// opposed to one this program cannot restore (other variables, another
+// optimizer) or a cluster that failed: `Manager::restore_or_init` goes on
+// to an older checkpoint.
+class damaged_checkpoint : public checkpoint_error {
+ public:
+  using checkpoint_error::checkpoint_error;
+};
+
+// The chief's part of a restore (inside on_chief): checks the checkpoint in
+// `dir` (of step `step`, where its directory's name says it), has every
+// server read and check its part, CRCs included, and keep it aside; only
+// when all of them could, has them apply it. Returns its step. Throws
+// damaged_checkpoint when its files are at fault, with nothing applied on
+// any server.
+template <class PS>
+std::uint64_t restore_on_chief(const PS& ps, Worker& w, const fs::path& dir,
+                               std::optional<std::uint64_t> step = std::nullopt) {
+  Manifest m;
+  try {
+    m = load_complete(dir, step);
+  } catch (const checkpoint_error& e) {
+    throw damaged_checkpoint(e.what());
+  }
+  check_compatible(m, dir, ::psx::detail::WorkerAccess::variables(w), ps.optimizer().slots(),
+                   describe(ps.optimizer()));
+  try {
+    ::psx::detail::WorkerAccess::call_every_server(w, Op::restore, m.step, dir.string());
+  } catch (const checkpoint_error& e) {
+    drop_staged_restore(w, m.step);
+    // A server passes on the reader's error as it is, and the reader's
+    // errors all come from `fail`, which names the file first; the
+    // server's own (a dynamic table) name the server.
+    if (std::string_view(e.what()).starts_with("psx: checkpoint file ")) throw damaged_checkpoint(e.what());
+    throw;
+  } catch (...) {
+    drop_staged_restore(w, m.step);
+    throw;
+  }
+  ::psx::detail::WorkerAccess::call_every_server(w, Op::restore, m.step, "");
+  return m.step;
 }
 
 }  // namespace detail
@@ -1190,28 +1275,20 @@ std::uint64_t restore(const PS& ps, Worker& w, const std::filesystem::path& dir)
   // Only the chief reads the manifest (in on_chief), and everyone learns
   // its step: a worker that could not read it (a host that does not see the
   // shared directory) once threw while the others waited at the barrier.
-  std::optional<Manifest> m;
+  std::optional<std::uint64_t> restored;
   // Every worker is here, none still in its last step: the servers' clocks
   // are about to be set to the checkpoint's step (without this, a restore
   // called during a run could hang a slower worker).
   w.barrier();
   // Everyone learns whether it was restored.
   detail::on_chief(w, "restore " + abs_dir.string(), [&] {
-    m = detail::load_manifest(abs_dir);
-    detail::check_compatible(*m, abs_dir, ::psx::detail::WorkerAccess::variables(w), ps.optimizer().slots(),
-                             detail::describe(ps.optimizer()));
     try {
-      ::psx::detail::WorkerAccess::call_every_server(w, Op::restore, m->step, abs_dir.string());
-    } catch (...) {
-      try {  // servers that read their part drop it
-        ::psx::detail::WorkerAccess::call_every_server(w, Op::restore, m->step, "-");
-      } catch (...) {
-      }
-      throw;
+      restored = detail::restore_on_chief(ps, w, abs_dir);
+    } catch (const detail::damaged_checkpoint& e) {  // the public type: only restore_or_init tells them apart
+      throw checkpoint_error(e.what());
     }
-    ::psx::detail::WorkerAccess::call_every_server(w, Op::restore, m->step, "");
   });
-  const std::uint64_t step = w.agree_max(m ? m->step : 0);
+  const std::uint64_t step = w.agree_max(restored.value_or(0));
   ::psx::detail::WorkerAccess::set_clock(w, step);
   return step;
 }
@@ -1232,7 +1309,7 @@ struct Options {
 };
 
 //! Saves every N steps, keeps the last `max_to_keep`, and resumes a run
-//! from the newest complete checkpoint.
+//! from the newest checkpoint that restores whole.
 template <class PS>
 class Manager {
  public:
@@ -1243,26 +1320,60 @@ class Manager {
   }
 
   const Options& options() const noexcept { return options_; }
-  //! The newest complete checkpoint, if any.
+  //! The newest complete checkpoint (`checkpoint::latest`: its data is not
+  //! read), if any.
   std::optional<Info> latest() const { return checkpoint::latest(options_.directory); }
-  //! Every complete checkpoint, oldest first.
+  //! Every complete checkpoint, oldest first (`checkpoint::list`).
   std::vector<Info> all() const { return checkpoint::list(options_.directory); }
 
-  //! Collective, before training: restores the newest complete checkpoint
-  //! and returns its step, or returns 0 and changes nothing when there is none.
+  //! Collective, before training: restores the newest checkpoint that
+  //! verifies whole (manifest, every shard file at its full length, every
+  //! CRC, data included) and returns its step; returns 0 and changes
+  //! nothing when the directory holds no checkpoint. Each newer one passed
+  //! over for its files prints one line on stderr, `psx: warning:
+  //! checkpoint: skipping step <step> in <directory>: <why>`; a checkpoint
+  //! this program cannot restore (other variables, another optimizer)
+  //! throws, as does a directory whose checkpoints are all damaged (the
+  //! checkpoint_error lists each and why): a run never silently starts
+  //! over from an older state, or from scratch.
   std::uint64_t restore_or_init(Worker& w) {
     // The chief's view decides, and everyone learns it: workers that each
     // looked for themselves could see different newest checkpoints (one
     // written meanwhile, a host's stale view of a shared directory), and
     // one restoring while another went on to train called the collectives
     // out of step.
-    std::optional<Info> found;
-    // A listing that throws on the chief (the directory pruned meanwhile)
-    // throws on every worker, none left waiting in a collective.
-    detail::on_chief(w, "list the checkpoints in " + options_.directory.string(), [&] { found = latest(); });
-    if (w.agree_max(found ? 1 : 0) == 0) return 0;
-    const std::uint64_t step = w.agree_max(found ? found->step : 0);
-    return restore(*ps_, w, found ? found->path : options_.directory / detail::checkpoint_dir_name(step));
+    const std::filesystem::path root = std::filesystem::absolute(options_.directory);
+    std::optional<std::uint64_t> restored;
+    // As in restore: no worker is still in a step when the servers' clocks are set.
+    w.barrier();
+    // A listing or restore that throws on the chief throws on every worker,
+    // none left waiting in a collective.
+    detail::on_chief(w, "restore a checkpoint from " + root.string(), [&] {
+      const std::vector<Info> found = detail::checkpoint_dirs(root);
+      // Tried newest first, each read once: a restore whose data fails its
+      // CRC on any server is dropped by all of them before anything is
+      // applied, so the next older one starts from the same state.
+      std::string problems;
+      for (auto c = found.rbegin(); c != found.rend(); ++c) {
+        try {
+          restored = detail::restore_on_chief(*ps_, w, c->path, c->step);
+          return;
+        } catch (const detail::damaged_checkpoint& e) {
+          const std::string why(::psx::detail::without_psx_prefix(e.what()));
+          std::fprintf(stderr, "psx: warning: checkpoint: skipping step %llu in %s: %s\n",
+                       static_cast<unsigned long long>(c->step), root.c_str(), why.c_str());
+          problems += "; step " + std::to_string(c->step) + ": " + why;
+        }
+      }
+      if (!found.empty())
+        throw checkpoint_error("psx: checkpoint: no checkpoint in " + root.string() + " can be restored (" +
+                               std::to_string(found.size()) + " found), and starting from scratch would silently "
+                               "discard them; repair or remove them to start afresh: " + problems.substr(2));
+    });
+    if (w.agree_max(restored ? 1 : 0) == 0) return 0;
+    const std::uint64_t step = w.agree_max(restored.value_or(0));
+    ::psx::detail::WorkerAccess::set_clock(w, step);
+    return step;
   }
 
   //! Collective, after `w.step()`: saves when the clock is a multiple of

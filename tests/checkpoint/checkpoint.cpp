@@ -7,13 +7,17 @@
 
 #include <doctest/doctest.h>
 
+#include <unistd.h>
+
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <type_traits>
@@ -136,6 +140,111 @@ std::string restore_error(const fs::path& dir, std::size_t servers = 2,
   // A refused checkpoint changes nothing.
   CHECK(same_bits(ps.read("emb"), before));
   return message;
+}
+
+// What this process writes to file descriptor 2 while it lives (psx logs
+// with fprintf(stderr)), read back by text().
+class StderrCapture {
+ public:
+  StderrCapture() : file_(std::tmpfile()) {
+    REQUIRE(file_ != nullptr);
+    std::fflush(stderr);
+    saved_ = ::dup(2);
+    REQUIRE(saved_ >= 0);
+    REQUIRE(::dup2(::fileno(file_), 2) == 2);
+  }
+  StderrCapture(const StderrCapture&) = delete;
+  StderrCapture& operator=(const StderrCapture&) = delete;
+  ~StderrCapture() {
+    put_back();
+    std::fclose(file_);
+  }
+  std::string text() {
+    put_back();
+    std::rewind(file_);
+    std::string out;
+    for (int c; (c = std::fgetc(file_)) != EOF;) out += static_cast<char>(c);
+    return out;
+  }
+
+ private:
+  void put_back() {
+    if (saved_ < 0) return;
+    std::fflush(stderr);
+    ::dup2(saved_, 2);
+    ::close(saved_);
+    saved_ = -1;
+  }
+  std::FILE* file_;
+  int saved_ = -1;
+};
+
+using FallbackPS = Cluster<psx::optim::Adam>;
+
+// Checkpoints of steps 4, 8 and 12 under `root`, saved by a Manager.
+void save_steps_4_8_12(const fs::path& root) {
+  FallbackPS ps({2, kWorkers}, {}, {}, {.lr = 0.01});
+  declare(ps);
+  psx::checkpoint::Manager<FallbackPS> ckpt(ps, {.directory = root, .every_steps = 4, .max_to_keep = 0});
+  ps.run([&](psx::Worker& w) {
+    while (w.clock() < 12) {
+      train_step(w);
+      ckpt.maybe_save(w);
+    }
+  });
+  REQUIRE(ckpt.all().size() == 3);
+}
+
+// A new cluster's restore_or_init, on every worker: what each returned or
+// threw, what stderr said meanwhile, and the parameters afterwards.
+struct Resumed {
+  std::vector<std::uint64_t> steps = std::vector<std::uint64_t>(kWorkers, 99);
+  std::vector<std::string> errors = std::vector<std::string>(kWorkers);
+  std::string log;
+  std::vector<float> w, emb, w_before, emb_before;
+};
+
+Resumed resume(const fs::path& root) {
+  FallbackPS ps({2, kWorkers}, {}, {}, {.lr = 0.01});
+  declare(ps);
+  psx::checkpoint::Manager<FallbackPS> ckpt(ps, {.directory = root});
+  Resumed out;
+  out.w_before = ps.read("w");
+  out.emb_before = ps.read("emb");
+  {
+    StderrCapture err;
+    ps.run([&](psx::Worker& w) {
+      try {
+        out.steps[w.index()] = ckpt.restore_or_init(w);
+        CHECK(w.clock() == out.steps[w.index()]);
+      } catch (const psx::checkpoint_error& e) {
+        out.errors[w.index()] = e.what();
+        CHECK(w.clock() == 0);  // unchanged
+      }
+    });
+    out.log = err.text();
+  }
+  out.w = ps.read("w");
+  out.emb = ps.read("emb");
+  return out;
+}
+
+// The line restore_or_init prints for a checkpoint it skips.
+std::string skip_line(const fs::path& root, std::uint64_t step, const fs::path& file, const std::string& why) {
+  return "psx: warning: checkpoint: skipping step " + std::to_string(step) + " in " + root.string() +
+         ": checkpoint file " + (dir_of(root, step) / file).string() + ": " + why + "\n";
+}
+
+// Flips the 4 bytes that end `from_end` bytes before the end of `file` (its data part).
+void flip_data(const fs::path& file, std::uintmax_t from_end = 16) {
+  const auto at = fs::file_size(file) - from_end;
+  std::ifstream in(file, std::ios::binary);
+  in.seekg(static_cast<std::streamoff>(at));
+  std::string bytes(4, '\0');
+  in.read(bytes.data(), 4);
+  in.close();
+  for (char& c : bytes) c = static_cast<char>(~c);
+  poke(file, at, bytes);
 }
 
 }  // namespace
@@ -588,6 +697,75 @@ TEST_CASE("checkpoint: the chief's view of the checkpoints decides a restore, wh
     ps.run([&](psx::Worker& w) { resumed[w.index()] = managers[w.index()].restore_or_init(w); });
     CHECK(resumed == std::vector<std::uint64_t>(kWorkers, 0));
   }
+}
+
+TEST_CASE("checkpoint: restore_or_init falls back past a damaged newest checkpoint, saying why on stderr") {
+  // Four flipped bytes in the newest shard's data once made every restart
+  // throw; a truncated shard or a deleted manifest made it resume from the
+  // previous checkpoint with no word.
+  Watchdog dog("fallback");
+  TempDir root("fallback");
+  save_steps_4_8_12(root.path);
+  const fs::path abs = fs::absolute(root.path);
+  const std::string shard1 = psx::checkpoint::detail::server_file_name(1);
+  std::string expected_log;
+  SUBCASE("four flipped bytes in the newest shard's data") {
+    flip_data(dir_of(root.path, 12) / shard1);
+    expected_log = skip_line(abs, 12, shard1, "corrupted data (CRC-32C mismatch)");
+  }
+  SUBCASE("the newest shard file truncated") {
+    const fs::path file = dir_of(root.path, 12) / shard1;
+    const auto h = psx::checkpoint::detail::read_header(file, psx::checkpoint::detail::FileKind::shards);
+    fs::resize_file(file, fs::file_size(file) - 10);
+    expected_log = skip_line(abs, 12, shard1,
+                             "truncated: the header promises " + std::to_string(h.meta_bytes) + " + " +
+                                 std::to_string(h.data_bytes) + " bytes after it, the file has " +
+                                 std::to_string(h.meta_bytes + h.data_bytes - 10));
+  }
+  SUBCASE("the newest manifest deleted") {
+    fs::remove(dir_of(root.path, 12) / "manifest.psx");
+    expected_log = skip_line(abs, 12, "manifest.psx", "missing");
+  }
+  const Resumed r = resume(root.path);
+  CHECK(r.errors == std::vector<std::string>(kWorkers));
+  CHECK(r.steps == std::vector<std::uint64_t>(kWorkers, 8));
+  CHECK(r.log == expected_log);
+  // The previous checkpoint's parameters exactly, nothing of the damaged one.
+  CHECK(same_bits(r.w, psx::checkpoint::load_variable(dir_of(root.path, 8), "w").values));
+  CHECK(same_bits(r.emb, psx::checkpoint::load_variable(dir_of(root.path, 8), "emb").values));
+}
+
+TEST_CASE("checkpoint: restore_or_init throws, naming each, when every checkpoint is damaged") {
+  // Starting from scratch then would throw away the run without a word.
+  Watchdog dog("fallback, all damaged");
+  TempDir root("fallback-all");
+  save_steps_4_8_12(root.path);
+  const fs::path abs = fs::absolute(root.path);
+  const std::string shard0 = psx::checkpoint::detail::server_file_name(0);
+  flip_data(dir_of(root.path, 12) / shard0);
+  fs::resize_file(dir_of(root.path, 8) / shard0, 100);
+  fs::remove(dir_of(root.path, 4) / "manifest.psx");
+  const Resumed r = resume(root.path);
+  CHECK(r.steps == std::vector<std::uint64_t>(kWorkers, 99));  // none returned
+  const std::string& chief = r.errors[0];
+  CHECK(chief.find("no checkpoint in " + abs.string() + " can be restored (3 found)") != std::string::npos);
+  CHECK(chief.find("step 12: checkpoint file " + (dir_of(abs, 12) / shard0).string() +
+                   ": corrupted data (CRC-32C mismatch)") != std::string::npos);
+  CHECK(chief.find("step 8: checkpoint file " + (dir_of(abs, 8) / shard0).string() + ": truncated") != std::string::npos);
+  CHECK(chief.find("step 4: checkpoint file " + (dir_of(abs, 4) / "manifest.psx").string() + ": missing") !=
+        std::string::npos);
+  for (std::size_t k = 1; k < kWorkers; ++k)
+    CHECK(r.errors[k].find("the chief could not restore a checkpoint from") != std::string::npos);
+  // One line per checkpoint skipped, newest first, and nothing restored.
+  std::istringstream lines(r.log);
+  std::vector<std::string> skipped;
+  for (std::string line; std::getline(lines, line);) skipped.push_back(line);
+  REQUIRE(skipped.size() == 3);
+  CHECK(skipped[0].starts_with("psx: warning: checkpoint: skipping step 12 in "));
+  CHECK(skipped[1].starts_with("psx: warning: checkpoint: skipping step 8 in "));
+  CHECK(skipped[2].starts_with("psx: warning: checkpoint: skipping step 4 in "));
+  CHECK(same_bits(r.w, r.w_before));
+  CHECK(same_bits(r.emb, r.emb_before));
 }
 
 TEST_CASE("crc32c: the three-lane hardware version equals the table version, and both the standard check values") {
