@@ -295,6 +295,16 @@ class ParameterServer {
       }();
       if constexpr (requires { link->wait_stopped(); })
         if (const std::string why = link->wait_stopped(); !why.empty()) throw peer_lost(why);
+      // A server whose training failed (the sync policy gave up on a lost
+      // worker) ends with that error, not as if training had finished: a
+      // supervisor then restarts it with the rest of the job.
+      // (Only once the link's loop has ended by itself: after a shutdown from
+      // another thread it may still be serving.)
+      if constexpr (requires { link->served(); })
+        if (link->served())
+          for (const auto& server : servers_)
+            if (server)
+              if (std::exception_ptr e = server->failure()) std::rethrow_exception(e);
       return;
     }
     {

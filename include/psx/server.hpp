@@ -185,9 +185,18 @@ class Server final : public RequestHandler {
     }
   }
 
+  bool training_failed() const noexcept override { return failed_; }
+
   WorkerState worker_state(std::size_t w) const noexcept override {
     if (w >= gone_.size() || gone_[w] == Gone::no) return WorkerState::active;
     return gone_[w] == Gone::left ? WorkerState::left : WorkerState::lost;
+  }
+
+  //! Why training failed on this server (the sync policy gave up on a lost
+  //! worker, or a step could not be applied), or null. Read it once the
+  //! server has stopped serving.
+  std::exception_ptr failure() const {
+    return failed() ? failure_error(failure_text()) : std::exception_ptr();
   }
 
   //! This server's part of dynamic table `variable` (a declaration index),

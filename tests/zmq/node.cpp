@@ -6,12 +6,21 @@
 //   psx_zmq_node [--steps N] [--pause-ms MS] [--peer-timeout-ms MS (default: the transport's)]
 //                [--optimizer sgd|adam|ftrl] [--restore DIR] [--save ROOT]
 //   psx_zmq_node --compare DIR1 DIR2
+//   psx_zmq_node ... --checkpoint DIR --every N [--ballast-mb M]   (the chaos test)
 //
 // With --restore every task restores the checkpoint DIR first (the clock
 // starts at its step); with --save the cluster saves a checkpoint under
 // ROOT when it has trained; either skips the in-process comparison.
 // --compare checks that two checkpoints hold the same parameters and
 // optimizer slots, bit for bit, without a cluster.
+//
+// With --checkpoint every task resumes from the newest checkpoint in DIR
+// that restores whole (CheckpointManager::restore_or_init), saves every N
+// steps there, and meets a barrier every 7 steps; the chief still compares
+// the end result with an undisturbed in-process run. It says "saving step
+// N" and "barrier at N" first, for tests/zmq/chaos.sh to aim its kills.
+// --ballast-mb declares a frozen variable of M MiB that every save writes
+// (a save long enough to be killed in).
 //
 // Exit status: 0 when the run (and, for the chief, the comparison) passed;
 // 1 when the parameters differ; 3 when a psx error ended the run (printed).
@@ -21,11 +30,13 @@
 #include <psx/psx.hpp>
 #include <psx/transport/zmq.hpp>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <optional>
 #include <string>
 #include <thread>
 
@@ -35,8 +46,20 @@ struct Flags {
   int steps = psx_zmq_test::steps;
   int pause_ms = 0;
   long peer_timeout_ms = -1;  // ClusterConfig::transport_default
-  std::string optimizer = "sgd", restore, save;
+  std::string optimizer = "sgd", restore, save, checkpoint;
+  int every = 10;
+  int ballast_mb = 0;
 };
+
+template <class PS>
+void declare_all(PS& ps, const Flags& f) {
+  psx_zmq_test::declare(ps);
+  if (f.ballast_mb > 0)
+    ps.declare({.name = "ballast",
+                .shape = {static_cast<std::size_t>(f.ballast_mb) << 18},
+                .init = psx::Initializer::constant(1.0f),
+                .trainable = false});
+}
 
 int compare(const char* a, const char* b) {
   for (const auto& name : psx_zmq_test::names()) {
@@ -63,11 +86,37 @@ int run(const Flags& f, const O& optimizer) {
   std::map<std::string, std::vector<float>> trained;
   {
     Policies cluster(config, {}, {}, optimizer, z);
-    psx_zmq_test::declare(cluster);
+    declare_all(cluster, f);
+    std::optional<psx::CheckpointManager<Policies>> ckpt;
+    if (!f.checkpoint.empty())
+      ckpt.emplace(cluster, psx::checkpoint::Options{.directory = f.checkpoint,
+                                                     .every_steps = static_cast<std::uint64_t>(f.every),
+                                                     .max_to_keep = 3});
     cluster.run([&](psx::Worker& w) {
       if (!f.restore.empty()) psx::checkpoint::restore(cluster, w, f.restore);
+      std::uint64_t start = 0;
+      if (ckpt) {
+        start = ckpt->restore_or_init(w);
+        const char* again = std::getenv("PSX_RESTART_COUNT");
+        std::printf("%s: starts at step %llu (restart %s)\n", role.c_str(), static_cast<unsigned long long>(start),
+                    again ? again : "0");
+        std::fflush(stdout);
+      }
       bool said = false;
       psx_zmq_test::train_for(w, f.steps, [&] {
+        if (ckpt && w.clock() > start) {
+          const std::uint64_t c = w.clock();
+          if (c % static_cast<std::uint64_t>(f.every) == 0 && w.is_chief()) {
+            std::printf("%s: saving step %llu\n", role.c_str(), static_cast<unsigned long long>(c));
+            std::fflush(stdout);
+          }
+          ckpt->maybe_save(w);
+          if (c % 7 == 0) {
+            std::printf("%s: barrier at %llu\n", role.c_str(), static_cast<unsigned long long>(c));
+            std::fflush(stdout);
+            w.barrier();
+          }
+        }
         if (f.pause_ms <= 0) return;
         // Paced (the fault tests): say so once training runs, for faults.sh to wait on.
         if (!said && w.clock() >= 2) {
@@ -95,7 +144,7 @@ int run(const Flags& f, const O& optimizer) {
   if (z.tf.task.type != "chief" || !f.restore.empty() || !f.save.empty()) return 0;
   psx::ParameterServer<psx::partition::RowRange, psx::sync::Synchronous, O> local(
       psx::ClusterConfig{config.num_servers, config.num_workers}, {}, {}, optimizer);
-  psx_zmq_test::declare(local);
+  declare_all(local, f);
   local.run([&](psx::Worker& w) { psx_zmq_test::train_for(w, f.steps, [] {}); });
   for (const auto& [name, values] : trained) {
     const auto expected = local.read(name);
@@ -124,6 +173,9 @@ int main(int argc, char** argv) {
       else if (flag == "--optimizer") f.optimizer = argv[i + 1];
       else if (flag == "--restore") f.restore = argv[i + 1];
       else if (flag == "--save") f.save = argv[i + 1];
+      else if (flag == "--checkpoint") f.checkpoint = argv[i + 1];
+      else if (flag == "--every") f.every = std::max(1, std::atoi(argv[i + 1]));
+      else if (flag == "--ballast-mb") f.ballast_mb = std::atoi(argv[i + 1]);
       else {
         std::fprintf(stderr, "psx_zmq_node: unknown flag %s\n", argv[i]);
         return 2;

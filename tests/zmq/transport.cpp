@@ -1027,7 +1027,16 @@ TEST_CASE("zmq: a request sent again is executed once and answered again, and st
     CHECK(rh.text.find("restarted after this request was sent to it") != std::string::npos);
     CHECK(applied() == 1);
     // A new process of worker 1 numbers its calls afresh: its call 5 is new.
+    // (Its hello made the server lose the process before it; the policy
+    // goes on without it, and the new one joins, as a worker's run does.)
     zmq::socket_t again = process(0x2222);
+    {
+      psx::Request join;
+      join.op = psx::Op::join;
+      join.worker = 1;
+      std::vector<wire::Segment> none;
+      zmq::send_multipart(again, frames_of(wire::encode_request(join, {0, fp, wire::max_chunk_bytes}, none), none));
+    }
     send(again, 5, 5, false, server_inc);
     CHECK(answer(again).status == wire::Status::ok);
     CHECK(applied() == 2);

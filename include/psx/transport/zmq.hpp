@@ -745,6 +745,13 @@ class Zmq::link_type {
     return stop_reason_;
   }
 
+  //! Whether this process's server loop has ended by itself (the cluster
+  //! done, or its chief lost): the server is no longer touched.
+  bool served() {
+    std::lock_guard lock(mu_);
+    return served_;
+  }
+
   //! Stops every loop; pending calls fail with shutdown_error. The chief
   //! tells every server the cluster is done first.
   void close() noexcept {
@@ -860,6 +867,23 @@ class Zmq::link_type {
     }
   }
 
+  // Server `s` is bound to port 0 and has published another endpoint than
+  // the one its socket connects to (it restarted on a new port): the
+  // socket is made anew for the new endpoint, and true returned. Lane `s`
+  // held, or before the I/O thread runs.
+  bool moved(std::size_t s) {
+    if (settings_.rendezvous.empty() ||
+        tcp_port(settings_.tf.cluster.server_address(s)) != std::optional<std::uint16_t>(0))
+      return false;
+    std::ifstream in(rendezvous_file(s));
+    std::string endpoint;
+    if (!in || !std::getline(in, endpoint) || endpoint.empty() || endpoint == endpoints_[s]) return false;
+    endpoints_[s] = endpoint;
+    answer_from_[s] = worker_name() + ": an answer from " + server_name(s);
+    open_dealer(s);
+    return true;
+  }
+
   // -- server side: bind --------------------------------------------------------
 
   void bind_server() {
@@ -913,7 +937,17 @@ class Zmq::link_type {
                          ": Address already in use (a process accepts connections on it)");
     const std::string who = "ps task " + std::to_string(s);
     try {
-      router_.bind(endpoint);
+      // A server restarted in place (port 0) takes its previous incarnation's
+      // port back where it is free, so that workers connected to it find
+      // the new one there; else a new port, published as usual.
+      const std::string before = previous_endpoint(endpoint);
+      bool rebound = false;
+      if (!before.empty()) try {
+          router_.bind(before);
+          rebound = true;
+        } catch (const zmq::error_t&) {
+        }
+      if (!rebound) router_.bind(endpoint);
     } catch (const zmq::error_t& e) {
       const std::string numeric = e.num() == ENODEV ? detail_zmq::resolved_endpoint(endpoint, who) : std::string();
       if (numeric.empty()) throw config_error("psx: " + who + " cannot bind " + endpoint + ": " + e.what());
@@ -949,6 +983,21 @@ class Zmq::link_type {
                            ec.message());
       published_ = true;
     }
+  }
+
+  // The endpoint a previous incarnation of this server (bound to port 0,
+  // `endpoint`) published in the rendezvous directory, where it is on the
+  // same host; empty otherwise.
+  std::string previous_endpoint(const std::string& endpoint) const {
+    if (settings_.rendezvous.empty() || !endpoint.ends_with(":0")) return {};
+    std::ifstream in(rendezvous_file(*server_index_));
+    std::string e;
+    if (!in || !std::getline(in, e)) return {};
+    const std::string host = endpoint.substr(0, endpoint.size() - 1);  // "tcp://127.0.0.1:"
+    const auto port = e.size() > host.size() && e.starts_with(host) ? e.substr(host.size()) : std::string();
+    if (port.empty() || port.size() > 5 || !std::all_of(port.begin(), port.end(), [](char c) { return c >= '0' && c <= '9'; }))
+      return {};
+    return e;
   }
 
   // Where server `s` bound to port 0 publishes its endpoint (`.tmp` and
@@ -1025,6 +1074,7 @@ class Zmq::link_type {
           seen_(link.ctx_.num_workers, false),
           last_heard_(link.ctx_.num_workers),
           windows_(link.ctx_.num_workers),
+          welcomed_(link.ctx_.num_workers),
           name_("ps task " + std::to_string(*link.server_index_)) {
       for (std::uint32_t w = 0; w < link.ctx_.num_workers; ++w) senders_.push_back(sender_text(w));
     }
@@ -1290,6 +1340,10 @@ class Zmq::link_type {
           // leaves now, so that no step or barrier of the other workers
           // waits on it and this server does not serve for ever for it.
           if (::psx::detail::wire::decode_signal(head, "stop") != l_.fingerprint_) return reject();
+          // And only from the chief process this server welcomed: a chief of
+          // a generation before this server restarted, going down, must not
+          // stop the server that the restarted chief will use.
+          if (welcomed_.empty() || welcomed_[0] != msg[0].to_string_view()) return reject();
           stop_ = true;
           if (h_.worker_state(0) == RequestHandler::WorkerState::active) {
             Request leave;
@@ -1324,9 +1378,37 @@ class Zmq::link_type {
                                   ::psx::detail::wire::Status::config_error,
                                   "psx: " + name_ + " refuses " + why));
       }
+      // A new process of a worker this server serves (another incarnation
+      // in its routing id, open_dealer): the previous one is gone, so it
+      // is lost now rather than after the peer timeout, and the sync policy
+      // decides (Synchronous fails the cluster: its processes end, and a
+      // supervisor that restarts them resumes from the last checkpoint).
+      const std::string_view from = msg[0].to_string_view();
+      std::string& before = welcomed_[hello.worker];
+      if (psx_id(before) && psx_id(from) && before != from &&
+          h_.worker_state(hello.worker) == RequestHandler::WorkerState::active) {
+        Request gone;
+        gone.op = Op::fail;
+        gone.worker = hello.worker;
+        gone.reason = "its process restarted: a new one said hello, so the one before is gone";
+        h_.handle(std::move(gone));
+      }
+      before = msg[0].to_string();
+      if (h_.training_failed()) {
+        // Nothing but reads is served here any more: the new process waits
+        // for the server that replaces this one (start_worker).
+        reject();
+        return answer(msg[0], ::psx::detail::wire::encode_refuse(
+                                  ::psx::detail::wire::Status::peer_lost,
+                                  "psx: " + name_ + " refuses worker " + std::to_string(hello.worker) +
+                                      ": training failed on it, and it serves reads only until it ends"));
+      }
       heard_from(hello.worker);
       answer(msg[0], ::psx::detail::wire::encode_signal(::psx::detail::wire::Kind::welcome, l_.incarnation_));
     }
+
+    // Whether `id` is a psx worker process's routing id (open_dealer).
+    static bool psx_id(std::string_view id) noexcept { return id.size() == 13 && id[0] == 'P'; }
 
     // Checks an item's reply size against the declared variable before the
     // buffer is allocated; the server checks the rest.
@@ -1395,22 +1477,32 @@ class Zmq::link_type {
       // A cancel names the call by this worker's id for it (in the clock).
       r.call = r.op == Op::cancel ? r.clock : call_id;
       call->worker = r.worker;
-      heard_from(r.worker);
-      if (r.op == Op::heartbeat)
-        answer(call->routing, ::psx::detail::wire::encode_signal(::psx::detail::wire::Kind::pong, l_.incarnation_));
       const ::psx::detail::wire::RequestHead& sent = call->in.head;
       if (sent.resend) h_.link_event(RequestHandler::LinkEvent::retried);
-      if (call_id != 0 && sent.incarnation != 0 && sent.incarnation != l_.incarnation_) {
+      // A request for the server this one replaced does not count as word
+      // from its worker either: it may be the last of a process going down.
+      const bool stale = sent.incarnation != 0 && sent.incarnation != l_.incarnation_;
+      if (stale) {
         // Sent to the server this one replaced (it restarted): not executed.
-        // A pong first, so that the worker's next requests name this one.
-        if (r.op != Op::heartbeat)
-          answer(call->routing, ::psx::detail::wire::encode_signal(::psx::detail::wire::Kind::pong, l_.incarnation_));
+        // A pong first (or alone, for a heartbeat), so that the worker's next
+        // requests name this one; a clock, leave or fail is dropped.
+        answer(call->routing, ::psx::detail::wire::encode_signal(::psx::detail::wire::Kind::pong, l_.incarnation_));
+        if (call_id == 0) return;
         return reply(call, call_id,
                      std::make_exception_ptr(peer_lost(
                          "psx: " + sender(r.worker) + ": " + name_ +
                          " restarted after this request was sent to it; its previous incarnation's requests are "
                          "lost, and this one was not executed")));
       }
+      // Only the process this server welcomed for a worker ends the worker
+      // here: a process of a generation before this server restarted, going
+      // down, must not make the next generation's worker lost or gone.
+      if ((r.op == Op::fail || r.op == Op::leave) && r.worker < welcomed_.size() &&
+          welcomed_[r.worker] != call->routing.to_string_view())
+        return reject();
+      heard_from(r.worker);
+      if (r.op == Op::heartbeat)
+        answer(call->routing, ::psx::detail::wire::encode_signal(::psx::detail::wire::Kind::pong, l_.incarnation_));
       if (Window* win = window_of(r.worker, call->routing)) {
         win->acknowledge(sent.floor);
         if (call_id != 0) switch (admit(*win, call_id, r.op)) {
@@ -1538,6 +1630,7 @@ class Zmq::link_type {
     bool stop_ = false;
     std::vector<clock::time_point> last_heard_;  // per worker, by heard_from
     std::vector<Window> windows_;                // per worker: its current process's calls
+    std::vector<std::string> welcomed_;          // per worker: the routing id of the process last welcomed
     const std::string name_;  // "ps task S"
     std::vector<std::string> senders_;
     std::string other_sender_;
@@ -1574,19 +1667,39 @@ class Zmq::link_type {
     // Every server must welcome us before training starts.
     std::vector<bool> welcomed(n, false);
     incarnations_.assign(n, 0);
+    // A server whose training failed refuses a new process with peer_lost:
+    // it is about to end, and one restarted in its place will welcome this
+    // one, so the hello goes again (every 200 ms) until start_timeout.
+    std::vector<std::string> refused(n);
+    std::vector<clock::time_point> again(n, clock::time_point::max());
+    std::vector<clock::time_point> look(n, clock::now() + std::chrono::milliseconds(200));
     std::size_t missing = n;
     while (missing > 0) {
       const auto now = clock::now();
       if (now >= deadline) {
         std::string who;
         for (std::size_t s = 0; s < n; ++s)
-          if (!welcomed[s]) who += (who.empty() ? "" : ", ") + server_name(s);
+          if (!welcomed[s]) who += (who.empty() ? "" : ", ") + server_name(s) + (refused[s].empty() ? "" : " (" + refused[s] + ")");
         throw peer_lost("psx: " + worker_name() + ": no answer within " +
                         std::to_string(settings_.start_timeout.count()) + " ms (start_timeout) from " + who);
       }
+      for (std::size_t s = 0; s < n; ++s) {
+        if (welcomed[s]) continue;
+        // A server that restarted on another port (port 0) is followed.
+        if (now >= look[s]) {
+          look[s] = now + std::chrono::milliseconds(200);
+          if (moved(s)) again[s] = now;
+        }
+        if (now >= again[s]) {
+          again[s] = clock::time_point::max();
+          hello(s);
+        }
+      }
       std::vector<zmq::pollitem_t> items;
       for (auto& d : dealers_) items.push_back({d.handle(), 0, ZMQ_POLLIN, 0});
-      detail_zmq::poll(items.data(), items.size(), std::chrono::milliseconds(detail_zmq::ms_until(deadline, now)));
+      const auto wake = std::min({deadline, *std::min_element(again.begin(), again.end()),
+                                  *std::min_element(look.begin(), look.end())});
+      detail_zmq::poll(items.data(), items.size(), std::chrono::milliseconds(detail_zmq::ms_until(wake, now)));
       for (std::size_t s = 0; s < n; ++s) {
         // A hello lost with a dropped connection goes again on the new one.
         if (reconnected(s) && !welcomed[s]) hello(s);
@@ -1597,10 +1710,16 @@ class Zmq::link_type {
         if (msg.empty()) continue;
         const auto head = detail_zmq::bytes_of(msg[0]);
         const auto p = ::psx::detail::wire::read_prefix(head, worker_name() + ": the answer of " + server_name(s));
-        if (p.kind == ::psx::detail::wire::Kind::refuse)
-          std::rethrow_exception(
-              ::psx::detail::wire::exception_of(static_cast<::psx::detail::wire::Status>(p.byte7),
-                                                ::psx::detail::wire::decode_refuse(head, server_name(s))));
+        if (p.kind == ::psx::detail::wire::Kind::refuse) {
+          const auto status = static_cast<::psx::detail::wire::Status>(p.byte7);
+          std::string why = ::psx::detail::wire::decode_refuse(head, server_name(s));
+          if (status == ::psx::detail::wire::Status::peer_lost && !welcomed[s]) {
+            refused[s] = std::move(why);
+            again[s] = clock::now() + std::chrono::milliseconds(200);
+            continue;
+          }
+          std::rethrow_exception(::psx::detail::wire::exception_of(status, why));
+        }
         if (p.version != ::psx::detail::wire::version)
           throw wire_error("psx: " + worker_name() + ": " + server_name(s) + " speaks " +
                            ::psx::detail::wire::version_text(p.version) + ", this worker " +
@@ -1670,6 +1789,7 @@ class Zmq::link_type {
                                            : clock::duration::max();
     auto next_check = timeout.count() > 0 ? clock::now() + check : clock::time_point::max();
     auto last_look = clock::now();
+    auto next_look = clock::now();
     // Lane `s` held.
     auto fail_server = [&](std::size_t s, const std::string& why) {
       fail_calls(lanes_[s].pending, [&] { return std::make_exception_ptr(peer_lost(why)); });
@@ -1697,6 +1817,8 @@ class Zmq::link_type {
         // is not their silence.
         const auto stalled = now - last_look;
         last_look = now;
+        const bool looking = now >= next_look;
+        if (looking) next_look = now + std::chrono::milliseconds(200);
         // Per lane: send again what a dropped connection may have lost,
         // send what the socket takes (a full pipe keeps the rest:
         // backpressure), fail the calls past their deadline, beat, and fail
@@ -1706,7 +1828,10 @@ class Zmq::link_type {
           Lane& lane = lanes_[s];
           std::lock_guard lock(lane.mu);
           if (stalled > beat) lane.last_heard = std::min(now, lane.last_heard + stalled);
-          if (reconnected(s)) resend_pending(s);
+          // Without a connection, a look (every 200 ms) for a server that
+          // restarted on another port (port 0); what waited goes there.
+          const bool away = !connected_[s] && looking;
+          if (reconnected(s) || (away && moved(s))) resend_pending(s);
           send_some(s);
           std::erase_if(lane.pending, [&](auto& p) {
             if (p.second->deadline > now) return false;
