@@ -29,10 +29,12 @@ cluster='{"chief":["127.0.0.1:0"],"worker":["127.0.0.1:0","127.0.0.1:0"],"ps":["
 args=(--steps 1000000 --pause-ms 10 --peer-timeout-ms 2000)
 
 # start NAME TYPE INDEX: starts a task in the background, output in $work/NAME.log.
+# Any further arguments go after the scenario's args (a later flag wins).
 start() {
   local name=$1 type=$2 index=$3
+  shift 3
   TF_CONFIG="{\"cluster\":$cluster,\"task\":{\"type\":\"$type\",\"index\":$index}}" \
-    PSX_RENDEZVOUS="$work/rv" "$node" "${args[@]}" >"$work/$name.log" 2>&1 &
+    PSX_RENDEZVOUS="$work/rv" "$node" "${args[@]}" "$@" >"$work/$name.log" 2>&1 &
   eval "pid_$name=$!"
 }
 # No "Killed" notices from bash for the processes the scenarios kill: each
@@ -208,6 +210,27 @@ if launch_all; then
   expect ps 0 "ps 0: done"
   limit_s=12
 fi
+end_scenario
+
+# Shutdown and start in any order: the workers train 20, 40 and 60 steps
+# (the chief first done, then the others, each leaving as it ends, no final
+# barrier), and the server starts last, a second after them. Every process
+# exits 0 once the last worker is done.
+scenario="unequal steps ending in any order, the server started last"
+args=(--pause-ms 10 --alone 1)
+rm -rf "$work/rv"; mkdir -p "$work/rv"
+start w2 worker 1 --steps 40
+start chief chief 0 --steps 20
+start w1 worker 0 --steps 60
+sleep 1
+start ps ps 0
+fault_ms=$(now_ms)
+limit_s=60
+expect chief 0 "chief 0: done"
+expect w2 0 "worker 1: done"
+expect w1 0 "worker 0: done"
+expect ps 0 "ps 0: done"
+limit_s=12
 end_scenario
 
 if [ "$failures" -ne 0 ]; then echo "$failures fault checks failed"; exit 1; fi

@@ -49,6 +49,7 @@ struct Flags {
   std::string optimizer = "sgd", restore, save, checkpoint;
   int every = 10;
   int ballast_mb = 0;
+  bool alone = false;  // --alone 1: no final barrier, no comparison (workers of unequal steps end in any order)
 };
 
 template <class PS>
@@ -125,12 +126,12 @@ int run(const Flags& f, const O& optimizer) {
           said = true;
         }
         std::this_thread::sleep_for(std::chrono::milliseconds(f.pause_ms));
-      });
+      }, !f.alone);
       if (!f.save.empty()) {
         const auto info = psx::checkpoint::save(cluster, w, f.save);
         if (w.is_chief()) std::printf("%s: saved %s\n", role.c_str(), info.path.c_str());
       }
-      if (w.is_chief()) {
+      if (w.is_chief() && !f.alone) {
         // What reconnects cost (faults.sh reads it).
         psx::ServerStats all;
         for (const auto& st : w.server_stats()) all += st;
@@ -141,7 +142,7 @@ int run(const Flags& f, const O& optimizer) {
     if (z.tf.task.type == "chief") trained = psx_zmq_test::read_all(cluster);
     std::printf("%s: done\n", role.c_str());
   }
-  if (z.tf.task.type != "chief" || !f.restore.empty() || !f.save.empty()) return 0;
+  if (z.tf.task.type != "chief" || !f.restore.empty() || !f.save.empty() || f.alone) return 0;
   psx::ParameterServer<psx::partition::RowRange, psx::sync::Synchronous, O> local(
       psx::ClusterConfig{config.num_servers, config.num_workers}, {}, {}, optimizer);
   declare_all(local, f);
@@ -176,6 +177,7 @@ int main(int argc, char** argv) {
       else if (flag == "--checkpoint") f.checkpoint = argv[i + 1];
       else if (flag == "--every") f.every = std::max(1, std::atoi(argv[i + 1]));
       else if (flag == "--ballast-mb") f.ballast_mb = std::atoi(argv[i + 1]);
+      else if (flag == "--alone") f.alone = std::atoi(argv[i + 1]) != 0;
       else {
         std::fprintf(stderr, "psx_zmq_node: unknown flag %s\n", argv[i]);
         return 2;

@@ -39,9 +39,11 @@ inline float grad(float value, std::size_t worker, int step, std::size_t i) {
 // Trains until the worker's clock reaches `n` (from a restored checkpoint's
 // step, or 0); the data of step t depends on t only, so a resumed run sees
 // what an uninterrupted one does. `pause` is a callback between steps (the
-// fault tests slow a worker down).
+// fault tests slow a worker down). Unless `together` is false, the workers
+// end with a barrier and an agree_max (a worker that trained fewer steps
+// waits there for the others).
 template <class Pause>
-void train_for(psx::Worker& w, int n, Pause&& pause) {
+void train_for(psx::Worker& w, int n, Pause&& pause, bool together = true) {
   std::vector<float> dense(dense_size), g(dense_size), b(3), gb(3);
   std::vector<std::uint64_t> ids;
   for (int t = static_cast<int>(w.clock()); t < n; ++t) {
@@ -62,6 +64,7 @@ void train_for(psx::Worker& w, int n, Pause&& pause) {
     w.push_rows("emb", ids, grows);
     w.step();
   }
+  if (!together) return;
   // Every push of every worker is in before anyone reads the result.
   w.barrier();
   // And every worker learns the largest number any of them passed.
