@@ -89,8 +89,8 @@ struct Limits {
 };
 
 inline constexpr std::size_t prefix_bytes = 8;
-inline constexpr std::size_t hello_bytes = 32;
-inline constexpr std::size_t request_fixed_bytes = 72;
+inline constexpr std::size_t hello_bytes = 40;
+inline constexpr std::size_t request_fixed_bytes = 80;
 inline constexpr std::size_t item_bytes = 40;
 inline constexpr std::size_t reply_fixed_bytes = 32;
 
@@ -167,6 +167,9 @@ struct Hello {
   std::uint32_t worker = 0;
   std::uint32_t num_workers = 0;
   std::uint32_t num_servers = 0;
+  //! The sender process's incarnation (a random number, not 0, drawn when
+  //! it connects); 0: a sender that does not number its requests.
+  std::uint64_t process = 0;
 };
 
 inline std::vector<std::byte> encode_hello(const Hello& h) {
@@ -176,6 +179,7 @@ inline std::vector<std::byte> encode_hello(const Hello& h) {
   put(out, 20, h.num_workers);
   put(out, 24, h.num_servers);
   put(out, 28, std::uint32_t{0});
+  put(out, 32, h.process);
   return out;
 }
 
@@ -189,7 +193,26 @@ inline Hello decode_hello(std::span<const std::byte> frame, std::string_view whe
   h.worker = get<std::uint32_t>(frame, 16);
   h.num_workers = get<std::uint32_t>(frame, 20);
   h.num_servers = get<std::uint32_t>(frame, 24);
+  h.process = get<std::uint64_t>(frame, 32);
   return h;
+}
+
+//! A stop (kind 7, chief -> server): the cluster's fingerprint and the
+//! chief process's incarnation, 24 bytes.
+inline std::vector<std::byte> encode_stop(std::uint64_t fingerprint, std::uint64_t process) {
+  auto out = make_header(24, Kind::stop);
+  put(out, 8, fingerprint);
+  put(out, 16, process);
+  return out;
+}
+struct Stop {
+  std::uint64_t fingerprint = 0;
+  std::uint64_t process = 0;
+};
+inline Stop decode_stop(std::span<const std::byte> frame, std::string_view where) {
+  if (frame.size() != 24)
+    throw wire_error("psx: " + std::string(where) + ": a stop is 24 bytes, got " + std::to_string(frame.size()));
+  return {get<std::uint64_t>(frame, 8), get<std::uint64_t>(frame, 16)};
 }
 
 //! welcome, pong and stop: the prefix and one 64-bit word (docs/wire.md: a
@@ -255,6 +278,9 @@ struct RequestHead {
   //! Sent again (after a reconnect): the server answers it once more if it
   //! has, and executes it only if it never received it.
   bool resend = false;
+  //! The sender process's incarnation (as in its hello); 0: a sender that
+  //! does not number its requests (each is executed as it comes).
+  std::uint64_t process = 0;
 };
 //! Where a request header keeps `RequestHead::floor`, `incarnation` and the
 //! flags (bit 0: resend), so a sender can mark a stored header as a resend.
@@ -262,6 +288,7 @@ inline constexpr std::size_t request_floor_at = 48;
 inline constexpr std::size_t request_incarnation_at = 56;
 inline constexpr std::size_t request_flags_at = 64;
 inline constexpr std::uint32_t request_flag_resend = 1;
+inline constexpr std::size_t request_process_at = 72;
 
 //! Per item of a request: what its reply tensor is.
 struct OutSpec {
@@ -290,6 +317,7 @@ inline std::vector<std::byte> encode_request(const Request& r, const RequestHead
   put(out, request_incarnation_at, head.incarnation);
   put(out, request_flags_at, head.resend ? request_flag_resend : std::uint32_t{0});
   put(out, request_flags_at + 4, std::uint32_t{0});
+  put(out, request_process_at, head.process);
   std::size_t at = request_fixed_bytes;
   for (const Item& item : r.items) {
     const bool low = !item.out16.empty();
@@ -410,6 +438,7 @@ inline Incoming decode_request(std::span<const std::span<const std::byte>> frame
     throw wire_error("psx: " + std::string(where) + ": unknown request flags " + std::to_string(flags) +
                      " (or a reserved word set)");
   in.head.resend = (flags & request_flag_resend) != 0;
+  in.head.process = get<std::uint64_t>(h, request_process_at);
   if (items > limits.max_items)
     throw wire_error("psx: " + std::string(where) + ": " + std::to_string(items) + " items, over the limit of " +
                      std::to_string(limits.max_items));

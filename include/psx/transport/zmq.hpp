@@ -596,6 +596,7 @@ class Zmq::link_type {
       call->outs.push_back(o);
     }
     ::psx::detail::wire::RequestHead head{0, fingerprint_, settings_.chunk_bytes};
+    head.process = incarnation_;
     auto header = ::psx::detail::wire::encode_request(r, head, segs);
     bool wake = false;
     {
@@ -605,10 +606,18 @@ class Zmq::link_type {
         std::lock_guard lock(mu_);
         if (closing_) throw shutdown_error("psx: worker " + std::to_string(*worker_index_) + ": the link is closed");
       }
-      // The call's number is taken under the lane, so the lane sends its
-      // calls in number order and the floor it tells the server (the
-      // lowest call it still waits on) never passes a call not yet sent.
-      const std::uint64_t id = done ? next_call_.fetch_add(1) + 1 : 0;
+      // A server that restarted lost what this worker trained there: no
+      // call goes on with it (the job returns to its checkpoint instead).
+      if (!lane.gone.empty()) throw peer_lost(lane.gone);
+      // Every message but a heartbeat is numbered, in the order the lane
+      // sends them (the number is taken under the lane): the server
+      // executes a process's messages in that order, each once, holding
+      // back one that comes early after a reconnect until those before it
+      // are in; and the floor (the lowest call still waited on) never
+      // passes a message not yet sent. One that asks for no answer (a
+      // clock, leave, fail or cancel) is answered all the same, so that it
+      // too is kept until the server has it, and sent again after a drop.
+      const std::uint64_t id = r.op == Op::heartbeat ? 0 : lane.next_id++;
       ::psx::detail::wire::put(header, 8, id);
       stamp(header, server, id);
       Frames frames;
@@ -786,9 +795,6 @@ class Zmq::link_type {
     std::uint64_t id = 0;
     std::uint64_t tag = 0;  // the worker's number for it (Request::call)
     std::size_t bytes = 0;  // payload both ways
-    // When the call fails unless answered (its server restarted), and why.
-    clock::time_point deadline = clock::time_point::max();
-    std::string deadline_reason;
     // The link's waiting threads: the one waiting for this call is woken
     // when another thread finishes it.
     detail_zmq::Sleepers* sleepers = nullptr;
@@ -823,6 +829,8 @@ class Zmq::link_type {
     std::mutex mu;
     std::deque<Frames> outbox;  // waits for the socket to take it
     Pending pending;            // sent, waiting for an answer
+    std::uint64_t next_id = 1;  // the next message's number
+    std::string gone;           // why no call may go on (the server restarted), once it did
     clock::time_point last_heard = clock::now();
     bool closed = false;  // the I/O thread has ended: the socket is gone
   };
@@ -878,9 +886,14 @@ class Zmq::link_type {
     std::ifstream in(rendezvous_file(s));
     std::string endpoint;
     if (!in || !std::getline(in, endpoint) || endpoint.empty() || endpoint == endpoints_[s]) return false;
-    endpoints_[s] = endpoint;
+    std::swap(endpoints_[s], endpoint);
+    try {
+      open_dealer(s);
+    } catch (...) {  // the old socket stays; the next look tries again
+      std::swap(endpoints_[s], endpoint);
+      throw;
+    }
     answer_from_[s] = worker_name() + ": an answer from " + server_name(s);
-    open_dealer(s);
     return true;
   }
 
@@ -1135,6 +1148,8 @@ class Zmq::link_type {
       std::vector<std::unique_ptr<std::uint64_t[]>> replies;
       std::uint32_t worker = 0;  // the request's (it moves to the handler)
       bool windowed = false;     // kept in its worker's window (its answer is remembered)
+      std::string reply_to;      // where answers go, when not back on `routing` (routing_of)
+      std::exception_ptr error;  // refused as it came: the answer, in its place in order
     };
 
     // What a server remembers of one worker process's calls, so that a call
@@ -1159,7 +1174,9 @@ class Zmq::link_type {
         std::shared_ptr<ServerCall> tensors;  // the answer's tensors (reads), borrowed again
         std::size_t bytes = 0;               // tensor bytes kept
       };
-      std::string routing;            // the worker process's routing id (worker, incarnation)
+      std::uint64_t process = 0;      // the worker process's incarnation (its hello's)
+      std::uint64_t next = 1;         // the message expected next: those below were received
+      std::map<std::uint64_t, std::shared_ptr<ServerCall>> held;  // came early, wait for `next`
       std::uint64_t floor = 0;        // calls below were acknowledged: forgotten
       std::uint64_t refused_below = 0;  // a call below, not in `entries`, may have been executed: refused
       std::map<std::uint64_t, Entry> entries;
@@ -1177,7 +1194,7 @@ class Zmq::link_type {
       // After an answer was kept: back within the bounds.
       void trim() {
         for (auto it = entries.begin(); bytes > window_bytes && it != entries.end();) {
-          if (it->second.answered && it->second.bytes > 0)
+          if (it->second.answered && it->second.read)
             forget(it++);  // a read: served again if it comes again
           else
             ++it;
@@ -1192,7 +1209,6 @@ class Zmq::link_type {
         }
       }
     };
-    enum class Seen : std::uint8_t { fresh, in_progress, answered, acknowledged, forgotten };
 
     clock::time_point monitor_due_{};
 
@@ -1339,11 +1355,18 @@ class Zmq::link_type {
           // driven by hand (`ps.worker(0)`) that never called leave()
           // leaves now, so that no step or barrier of the other workers
           // waits on it and this server does not serve for ever for it.
-          if (::psx::detail::wire::decode_signal(head, "stop") != l_.fingerprint_) return reject();
+        {
+          ::psx::detail::wire::Stop stop;
+          try {
+            stop = ::psx::detail::wire::decode_stop(head, name_);
+          } catch (const wire_error&) {
+            return reject();
+          }
+          if (stop.fingerprint != l_.fingerprint_) return reject();
           // And only from the chief process this server welcomed: a chief of
           // a generation before this server restarted, going down, must not
           // stop the server that the restarted chief will use.
-          if (welcomed_.empty() || welcomed_[0] != msg[0].to_string_view()) return reject();
+          if (welcomed_.empty() || welcomed_[0] != stop.process) return reject();
           stop_ = true;
           if (h_.worker_state(0) == RequestHandler::WorkerState::active) {
             Request leave;
@@ -1352,6 +1375,7 @@ class Zmq::link_type {
             h_.handle(std::move(leave));
           }
           return;
+        }
         default:
           return reject();
       }
@@ -1379,13 +1403,27 @@ class Zmq::link_type {
                                   "psx: " + name_ + " refuses " + why));
       }
       // A new process of a worker this server serves (another incarnation
-      // in its routing id, open_dealer): the previous one is gone, so it
-      // is lost now rather than after the peer timeout, and the sync policy
-      // decides (Synchronous fails the cluster: its processes end, and a
-      // supervisor that restarts them resumes from the last checkpoint).
-      const std::string_view from = msg[0].to_string_view();
-      std::string& before = welcomed_[hello.worker];
-      if (psx_id(before) && psx_id(from) && before != from &&
+      // in its hello): the previous one is gone, so it is lost now rather
+      // than after the peer timeout, and the sync policy decides
+      // (Synchronous fails the cluster: its processes end, and a supervisor
+      // that restarts them resumes from the last checkpoint).
+      if (hello.process != 0 && msg[0].to_string_view() != routing_of(hello.worker, hello.process)) {
+        // Only the process itself says hello for it (its routing id names
+        // it): anything else could take a worker over.
+        reject();
+        return answer(msg[0], ::psx::detail::wire::encode_refuse(
+                                  ::psx::detail::wire::Status::config_error,
+                                  "psx: " + name_ + " refuses a hello for worker " + std::to_string(hello.worker) +
+                                      ": its connection's routing id does not name that process"));
+      }
+      std::optional<std::uint64_t>& before = welcomed_[hello.worker];
+      if (hello.process == 0 && before && *before != 0) {
+        // A sender that does not number its messages (a tool, a test) is
+        // answered, and the worker stays its numbered process's.
+        heard_from(hello.worker);
+        return answer(msg[0], ::psx::detail::wire::encode_signal(::psx::detail::wire::Kind::welcome, l_.incarnation_));
+      }
+      if (before && *before != 0 && hello.process != 0 && *before != hello.process &&
           h_.worker_state(hello.worker) == RequestHandler::WorkerState::active) {
         Request gone;
         gone.op = Op::fail;
@@ -1393,7 +1431,6 @@ class Zmq::link_type {
         gone.reason = "its process restarted: a new one said hello, so the one before is gone";
         h_.handle(std::move(gone));
       }
-      before = msg[0].to_string();
       if (h_.training_failed()) {
         // Nothing but reads is served here any more: the new process waits
         // for the server that replaces this one (start_worker).
@@ -1403,12 +1440,27 @@ class Zmq::link_type {
                                   "psx: " + name_ + " refuses worker " + std::to_string(hello.worker) +
                                       ": training failed on it, and it serves reads only until it ends"));
       }
+      // This process is the worker's from now on; its numbered messages
+      // start at 1.
+      if (!before || *before != hello.process) {
+        windows_[hello.worker] = Window{};
+        windows_[hello.worker].process = hello.process;
+      }
+      before = hello.process;
       heard_from(hello.worker);
       answer(msg[0], ::psx::detail::wire::encode_signal(::psx::detail::wire::Kind::welcome, l_.incarnation_));
     }
 
-    // Whether `id` is a psx worker process's routing id (open_dealer).
-    static bool psx_id(std::string_view id) noexcept { return id.size() == 13 && id[0] == 'P'; }
+    // The routing id of worker `w`'s process of incarnation `process`
+    // (open_dealer): answers go there, so that they reach its newest
+    // connection (ZMQ_ROUTER_HANDOVER), also for a request that came on one
+    // already replaced (libzmq renames such a connection).
+    static std::string routing_of(std::uint32_t w, std::uint64_t process) {
+      std::string id = "P";
+      id.append(reinterpret_cast<const char*>(&w), sizeof w);
+      id.append(reinterpret_cast<const char*>(&process), sizeof process);
+      return id;
+    }
 
     // Checks an item's reply size against the declared variable before the
     // buffer is allocated; the server checks the rest.
@@ -1443,7 +1495,7 @@ class Zmq::link_type {
       spans.reserve(call->frames.size());
       for (const auto& f : call->frames) spans.push_back(detail_zmq::bytes_of(f));
       const auto head = spans[0];
-      const std::uint64_t call_id = head.size() >= 16 ? ::psx::detail::wire::get<std::uint64_t>(head, 8) : 0;
+      std::uint64_t call_id = head.size() >= 16 ? ::psx::detail::wire::get<std::uint64_t>(head, 8) : 0;
       const std::uint32_t worker = head.size() >= 36 ? ::psx::detail::wire::get<std::uint32_t>(head, 32) : 0;
       try {
         call->in = ::psx::detail::wire::decode_request(spans, l_.settings_.limits, sender(worker));
@@ -1470,8 +1522,20 @@ class Zmq::link_type {
         }
       } catch (const wire_error&) {
         reject();
-        if (call_id != 0) reply(call, call_id, std::current_exception());
-        return;
+        if (call_id == 0) return;
+        // Refused, but in its place among its process's messages: those
+        // after it are not held back for ever, and its answer is kept.
+        const std::uint64_t process = head.size() >= ::psx::detail::wire::request_fixed_bytes
+                                          ? ::psx::detail::wire::get<std::uint64_t>(head, ::psx::detail::wire::request_process_at)
+                                          : 0;
+        call->error = std::current_exception();
+        if (process != 0 && worker < windows_.size() && windows_[worker].process == process) {
+          call->worker = worker;
+          call->in.head.process = process;
+          call->reply_to = routing_of(worker, process);
+          return sequence(call, call_id);
+        }
+        return reply(call, call_id, call->error);
       }
       Request& r = call->in.request;
       // A cancel names the call by this worker's id for it (in the clock).
@@ -1494,79 +1558,109 @@ class Zmq::link_type {
                          " restarted after this request was sent to it; its previous incarnation's requests are "
                          "lost, and this one was not executed")));
       }
-      // Only the process this server welcomed for a worker ends the worker
-      // here: a process of a generation before this server restarted, going
-      // down, must not make the next generation's worker lost or gone.
-      if ((r.op == Op::fail || r.op == Op::leave) && r.worker < welcomed_.size() &&
-          welcomed_[r.worker] != call->routing.to_string_view())
-        return reject();
+      // A numbered process (a psx worker's) is served only if it is the one
+      // this server welcomed for its worker: a process of a generation
+      // before (or one still alive beside its restarted successor) is
+      // refused, and its clock, leave or fail dropped, so that it cannot
+      // change what the worker's current process trains.
+      const std::uint64_t process = sent.process;
+      if (process != 0) {
+        if (windows_[r.worker].process != process) {
+          reject();
+          if (call_id == 0) return;
+          return reply(call, call_id,
+                       std::make_exception_ptr(peer_lost(
+                           "psx: " + sender(r.worker) + ": " + name_ +
+                           " serves another process of this worker (one that said hello since), or none yet")));
+        }
+        call->reply_to = routing_of(r.worker, process);
+      } else if ((r.op == Op::fail || r.op == Op::leave) && welcomed_[r.worker].value_or(0) != 0) {
+        return reject();  // only a numbered process may end a worker welcomed as one
+      }
       heard_from(r.worker);
       if (r.op == Op::heartbeat)
         answer(call->routing, ::psx::detail::wire::encode_signal(::psx::detail::wire::Kind::pong, l_.incarnation_));
-      if (Window* win = window_of(r.worker, call->routing)) {
-        win->acknowledge(sent.floor);
-        if (call_id != 0) switch (admit(*win, call_id, r.op)) {
-            case Seen::fresh:
-              call->windowed = true;
-              break;
-            case Seen::answered:  // its answer was lost: the same answer again
-              h_.link_event(RequestHandler::LinkEvent::duplicate);
-              return send_now(remembered(*win, win->entries.find(call_id)->second));
-            case Seen::in_progress:  // answered when it completes, on the connection there is then
-            case Seen::acknowledged:  // the worker no longer waits for it
-              h_.link_event(RequestHandler::LinkEvent::duplicate);
-              return;
-            case Seen::forgotten:
-              h_.link_event(RequestHandler::LinkEvent::duplicate);
-              return reply(call, call_id,
-                           std::make_exception_ptr(wire_error(
-                               "psx: " + sender(r.worker) + ": call " + std::to_string(call_id) +
-                               " was sent again after " + name_ + " forgot its answer (over " +
-                               std::to_string(window_calls) + " calls in flight); it is not executed twice")));
-          }
+      if (process != 0) windows_[r.worker].acknowledge(sent.floor);
+      if (process == 0 || call_id == 0) {
+        if (call_id != 0) execute(call, call_id);
+        else h_.handle(std::move(r));
+        return;
       }
-      if (call_id != 0)
-        r.done = std::make_shared<Completion>(1, [this, call, call_id](std::exception_ptr e) noexcept {
-          try {
-            reply(call, call_id, std::move(e));
-          } catch (...) {  // no memory for the answer: counted, the worker's timeout ends its wait
-            h_.link_event(RequestHandler::LinkEvent::undelivered);
-          }
-        });
+      sequence(call, call_id);
+    }
+
+    // Runs message `call_id` of its worker's process in order: once each,
+    // those that come early held back until the ones before are in.
+    void sequence(std::shared_ptr<ServerCall> call, std::uint64_t call_id) {
+      Window& win = windows_[call->worker];
+      const std::string& from = sender(call->worker);
+      if (call_id < win.next) {  // received before
+        h_.link_event(RequestHandler::LinkEvent::duplicate);
+        const auto it = win.entries.find(call_id);
+        if (it != win.entries.end() && it->second.answered)  // its answer was lost: the same answer again
+          return send_now(remembered(call->worker, win, it->second));
+        if (it == win.entries.end() && call_id < win.refused_below)
+          return reply(call, call_id,
+                       std::make_exception_ptr(wire_error(
+                           "psx: " + from + ": message " + std::to_string(call_id) + " was sent again after " +
+                           name_ + " forgot its answer (over " + std::to_string(window_calls) +
+                           " in flight); it is not executed twice")));
+        return;  // in progress (answered when it completes), or acknowledged (nobody waits)
+      }
+      if (call_id > win.next) {
+        // Early: one before it was lost with a connection and comes again
+        // after the reconnect. Held back until then, so that the worker's
+        // messages are executed in the order it sent them.
+        if (win.held.size() >= window_calls) {
+          reject();
+          return reply(call, call_id,
+                       std::make_exception_ptr(wire_error(
+                           "psx: " + from + ": message " + std::to_string(call_id) + " came while " +
+                           std::to_string(win.held.size()) + " others waited for message " +
+                           std::to_string(win.next) + ", which never came")));
+        }
+        win.held.emplace(call_id, std::move(call));
+        return;
+      }
+      // In order: run, then whatever was held back behind it.
+      for (;;) {
+        ++win.next;
+        win.entries[call_id].read = !call->error && is_read(call->in.request.op);
+        call->windowed = true;
+        if (call->error)
+          reply(call, call_id, call->error);
+        else
+          execute(call, call_id);
+        const auto next = win.held.find(win.next);
+        if (next == win.held.end()) break;
+        call = std::move(next->second);
+        call_id = next->first;
+        win.held.erase(next);
+      }
+    }
+
+    static bool is_read(Op op) noexcept {
+      return op == Op::pull || op == Op::pull_rows || op == Op::read || op == Op::stats;
+    }
+
+    // Hands a request that asks for an answer to the handler.
+    void execute(const std::shared_ptr<ServerCall>& call, std::uint64_t call_id) {
+      Request& r = call->in.request;
+      r.done = std::make_shared<Completion>(1, [this, call, call_id](std::exception_ptr e) noexcept {
+        try {
+          reply(call, call_id, std::move(e));
+        } catch (...) {  // no memory for the answer: counted, the worker's timeout ends its wait
+          h_.link_event(RequestHandler::LinkEvent::undelivered);
+        }
+      });
       h_.handle(std::move(r));
     }
 
-    // The window of worker `w`'s current process, when `routing` is the
-    // routing id of a psx worker process claiming to be `w` (open_dealer);
-    // a new process of `w` (another incarnation) starts a new window. Null
-    // for any other peer: its calls are not remembered.
-    Window* window_of(std::uint32_t w, const zmq::message_t& routing) {
-      if (w >= windows_.size() || routing.size() != 13 || *static_cast<const char*>(routing.data()) != 'P')
-        return nullptr;
-      std::uint32_t claimed;
-      std::memcpy(&claimed, static_cast<const char*>(routing.data()) + 1, sizeof claimed);
-      if (claimed != w) return nullptr;
-      Window& win = windows_[w];
-      if (win.routing != routing.to_string_view()) {
-        win = Window{};
-        win.routing = routing.to_string();
-      }
-      return &win;
-    }
-
-    static Seen admit(Window& win, std::uint64_t id, Op op) {
-      if (id < win.floor) return Seen::acknowledged;
-      if (const auto it = win.entries.find(id); it != win.entries.end())
-        return it->second.answered ? Seen::answered : Seen::in_progress;
-      if (id < win.refused_below) return Seen::forgotten;
-      win.entries[id].read = op == Op::pull || op == Op::pull_rows || op == Op::read || op == Op::stats;
-      return Seen::fresh;
-    }
-
     // The frames of a remembered answer, to the worker's current connection.
-    std::vector<zmq::message_t> remembered(const Window& win, const Window::Entry& e) {
+    std::vector<zmq::message_t> remembered(std::uint32_t w, const Window& win, const Window::Entry& e) {
       std::vector<zmq::message_t> frames;
-      frames.emplace_back(win.routing.data(), win.routing.size());
+      const std::string to = routing_of(w, win.process);
+      frames.emplace_back(to.data(), to.size());
       frames.push_back(detail_zmq::message_of(e.header));
       if (e.tensors)
         for (const auto& seg : answer_segments(*e.tensors)) frames.push_back(detail_zmq::borrowed(seg, e.tensors));
@@ -1597,7 +1691,10 @@ class Zmq::link_type {
       }
       if (call->windowed) remember(call, id, header, !segs.empty());
       std::vector<zmq::message_t> frames;
-      frames.emplace_back(call->routing.data(), call->routing.size());
+      if (call->reply_to.empty())
+        frames.emplace_back(call->routing.data(), call->routing.size());
+      else
+        frames.emplace_back(call->reply_to.data(), call->reply_to.size());
       frames.push_back(detail_zmq::message_of(header));
       for (const auto& seg : segs) frames.push_back(detail_zmq::borrowed(seg, call));
       send_now(std::move(frames));
@@ -1607,7 +1704,7 @@ class Zmq::link_type {
     // waits for it (the worker may have acknowledged it, or restarted).
     void remember(const std::shared_ptr<ServerCall>& call, std::uint64_t id, const std::vector<std::byte>& header,
                   bool tensors) {
-      if (call->worker >= windows_.size() || windows_[call->worker].routing != call->routing.to_string_view()) return;
+      if (call->worker >= windows_.size() || windows_[call->worker].process != call->in.head.process) return;
       Window& win = windows_[call->worker];
       const auto it = win.entries.find(id);
       if (it == win.entries.end()) return;
@@ -1630,7 +1727,9 @@ class Zmq::link_type {
     bool stop_ = false;
     std::vector<clock::time_point> last_heard_;  // per worker, by heard_from
     std::vector<Window> windows_;                // per worker: its current process's calls
-    std::vector<std::string> welcomed_;          // per worker: the routing id of the process last welcomed
+    // Per worker: the incarnation of the process last welcomed (0: one that
+    // does not number its messages), none before a hello.
+    std::vector<std::optional<std::uint64_t>> welcomed_;
     const std::string name_;  // "ps task S"
     std::vector<std::string> senders_;
     std::string other_sender_;
@@ -1655,7 +1754,7 @@ class Zmq::link_type {
       detail_zmq::handing_over();
       dealers_[s].send(detail_zmq::message_of(::psx::detail::wire::encode_hello(
                            {fingerprint_, static_cast<std::uint32_t>(*worker_index_),
-                            static_cast<std::uint32_t>(ctx_.num_workers), static_cast<std::uint32_t>(n)})),
+                            static_cast<std::uint32_t>(ctx_.num_workers), static_cast<std::uint32_t>(n), incarnation_})),
                        zmq::send_flags::none);
     };
     for (std::size_t s = 0; s < n; ++s) {
@@ -1742,16 +1841,7 @@ class Zmq::link_type {
   // the id over at the server (ZMQ_ROUTER_HANDOVER), so answers sent after
   // it reach the new connection instead of the gone one's id.
   void open_dealer(std::size_t s) {
-    if (monitors_[s]) {
-      monitors_[s].set(zmq::sockopt::linger, 0);
-      monitors_[s].close();
-    }
-    if (dealers_[s]) {
-      dealers_[s].set(zmq::sockopt::linger, 0);
-      dealers_[s].close();
-    }
-    dropped_[s] = 0;
-    connected_[s] = 0;
+    // The new pair first: a failure (no descriptor left) keeps the old one.
     zmq::socket_t d(zctx_, zmq::socket_type::dealer);
     d.set(zmq::sockopt::routing_id, zmq::buffer(routing_id_));
     const std::string watch = "inproc://psx-dealer-" + std::to_string(s) + "-" + std::to_string(++monitored_);
@@ -1761,8 +1851,16 @@ class Zmq::link_type {
     zmq::socket_t m(zctx_, zmq::socket_type::pair);
     m.set(zmq::sockopt::linger, 0);
     m.connect(watch);
+    d = make_dealer(s, std::move(d));
+    if (monitors_[s]) monitors_[s].close();
+    if (dealers_[s]) {
+      dealers_[s].set(zmq::sockopt::linger, 0);
+      dealers_[s].close();
+    }
+    dropped_[s] = 0;
+    connected_[s] = 0;
     monitors_[s] = std::move(m);
-    dealers_[s] = make_dealer(s, std::move(d));
+    dealers_[s] = std::move(d);
   }
 
   zmq::socket_t make_dealer(std::size_t s, zmq::socket_t d) {
@@ -1833,17 +1931,14 @@ class Zmq::link_type {
           const bool away = !connected_[s] && looking;
           if (reconnected(s) || (away && moved(s))) resend_pending(s);
           send_some(s);
-          std::erase_if(lane.pending, [&](auto& p) {
-            if (p.second->deadline > now) return false;
-            p.second->error = std::make_exception_ptr(peer_lost(p.second->deadline_reason));
-            return true;
-          });
           if (beating) {
             Request hb;
             hb.op = Op::heartbeat;
             hb.worker = static_cast<std::uint32_t>(*worker_index_);
             std::vector<::psx::detail::wire::Segment> none;
-            auto header = ::psx::detail::wire::encode_request(hb, {0, fingerprint_, settings_.chunk_bytes}, none);
+            ::psx::detail::wire::RequestHead head{0, fingerprint_, settings_.chunk_bytes};
+            head.process = incarnation_;
+            auto header = ::psx::detail::wire::encode_request(hb, head, none);
             stamp(header, s, 0);
             Frames f;
             f.push_back(detail_zmq::message_of(header));
@@ -1913,7 +2008,7 @@ class Zmq::link_type {
       if (worker_index_ == 0u) {
         Frames f;
         f.push_back(
-            detail_zmq::message_of(::psx::detail::wire::encode_signal(::psx::detail::wire::Kind::stop, fingerprint_)));
+            detail_zmq::message_of(::psx::detail::wire::encode_stop(fingerprint_, incarnation_)));
         lanes_[s].outbox.push_back(std::move(f));
       }
       send_some(s);
@@ -1942,15 +2037,10 @@ class Zmq::link_type {
       detail_zmq::taken_over();
       lane.last_heard = clock::now();
       if (auto why = on_reply(s, msg, lane.pending); !why.empty()) {
-        // The server restarted. What it held will never be answered; what
-        // reached the new one will: each call still waiting gets the peer
-        // timeout (or start_timeout) more, then fails with why.
-        const auto grace = ctx_.peer_timeout.count() > 0 ? clock::duration(ctx_.peer_timeout)
-                                                         : clock::duration(settings_.start_timeout);
-        for (auto& [id, call] : lane.pending) {
-          call->deadline = std::min(call->deadline, clock::now() + grace);
-          call->deadline_reason = why;
-        }
+        // The server restarted: what this worker trained there is gone.
+        // Every call waiting on it fails now, and every later one at once.
+        lane.gone = why;
+        fail_calls(lane.pending, [&] { return std::make_exception_ptr(peer_lost(why)); });
       }
     }
     return false;
@@ -1974,14 +2064,13 @@ class Zmq::link_type {
     while (!box.empty() && send_frames(dealers_[s], box.front())) box.pop_front();
   }
 
-  // Lane `s` held (or before the I/O thread runs): writes into a request
-  // header the server incarnation it is for and the floor, the lowest
-  // call this worker still waits on from `s` (the server may forget the
-  // answers below it). Calls are numbered under the lane, so no call
-  // below the floor is still to come.
+  // Lane `s` held: writes into a request header the server incarnation it
+  // is for and the floor, the lowest message this worker still waits on
+  // from `s` (the server may forget the answers below it). Messages are
+  // numbered under the lane, so none below the floor is still to come.
   void stamp(std::vector<std::byte>& header, std::size_t s, std::uint64_t id) const {
-    std::uint64_t floor = id != 0 ? id : next_call_.load() + 1;
-    if (lanes_ && !lanes_[s].pending.empty()) floor = std::min(floor, lanes_[s].pending.begin()->first);
+    std::uint64_t floor = id != 0 ? id : lanes_[s].next_id;
+    if (!lanes_[s].pending.empty()) floor = std::min(floor, lanes_[s].pending.begin()->first);
     ::psx::detail::wire::put(header, ::psx::detail::wire::request_floor_at, floor);
     ::psx::detail::wire::put(header, ::psx::detail::wire::request_incarnation_at, incarnations_[s]);
   }
@@ -2035,9 +2124,9 @@ class Zmq::link_type {
       for (const auto& seg : call->segs) f.push_back(detail_zmq::borrowed(seg, call));
       again.push_back(std::move(f));
     }
-    resent_.fetch_add(again.size(), std::memory_order_relaxed);
+    if (again.empty()) return;
     std::cerr << "psx: info: " + worker_name() + ": reconnected to " + server_name(s) + "; " +
-                     std::to_string(again.size()) + " waiting requests sent again\n";
+                     std::to_string(again.size()) + " messages not yet answered sent again\n";
     lane.outbox.insert(lane.outbox.begin(), std::make_move_iterator(again.begin()),
                        std::make_move_iterator(again.end()));
     send_some(s);
@@ -2058,7 +2147,8 @@ class Zmq::link_type {
         if (incarnation == incarnations_[s]) return {};
         incarnations_[s] = incarnation;
         return "psx: " + worker_name() + ": " + server_name(s) +
-               " restarted; the requests it held are lost (a restarted server starts from its initializers)";
+               " restarted, and with it what this worker trained there: no call goes on with it (restore the "
+               "job from its checkpoint: docs/faults.md)";
       }
       if (p.kind == ::psx::detail::wire::Kind::refuse) {
         // A server that restarted with other declarations, or another version.
@@ -2167,11 +2257,9 @@ class Zmq::link_type {
   std::vector<char> connected_;         // dealers_[s] has a connection now, likewise
   std::uint64_t monitored_ = 0;         // monitors made (each has an inproc name of its own)
   std::string routing_id_;              // 'P', worker, incarnation_: every dealer's
-  std::atomic<std::uint64_t> resent_{0};  // requests sent again after reconnects
   std::unique_ptr<Lane[]> lanes_;
   std::vector<std::uint64_t> incarnations_;  // each server's, from its welcome
   std::thread io_;
-  std::atomic<std::uint64_t> next_call_{0};
   // shared
   detail_zmq::Waker waker_;
   std::mutex mu_;
