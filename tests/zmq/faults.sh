@@ -83,6 +83,15 @@ expect() {
   fi
 }
 
+# expect_trained: every process ended 0, the chief's result bit-identical
+# to the in-process cluster's.
+expect_trained() {
+  expect chief 0 "parameters bit-identical to the in-process cluster"
+  expect w1 0 "worker 0: done"
+  expect w2 0 "worker 1: done"
+  expect ps 0 "ps 0: done"
+}
+
 # end_scenario: nothing of a scenario outlives it (one that failed may have
 # left a process running).
 end_scenario() { kill_children; }
@@ -183,10 +192,7 @@ elif launch_all; then
   limit_s=60
   echo "ok: $scenario: $killed connections killed"
   [ "$killed" -ge 3 ] || fail "$scenario: ss -K killed $killed connections (expected one per worker at least)"
-  expect chief 0 "parameters bit-identical to the in-process cluster"
-  expect w1 0 "worker 0: done"
-  expect w2 0 "worker 1: done"
-  expect ps 0 "ps 0: done"
+  expect_trained
   grep -h "reconnected to ps task 0\|requests sent again" "$work"/*.log | sed 's/^/    /' | head -8
   grep -q "reconnected to ps task 0" "$work"/chief.log "$work"/w1.log "$work"/w2.log ||
     fail "$scenario: no worker says it reconnected"
@@ -204,10 +210,7 @@ if launch_all; then
   kill -CONT "$pid_ps"
   fault_ms=$(now_ms)
   limit_s=60
-  expect chief 0 "parameters bit-identical to the in-process cluster"
-  expect w1 0 "worker 0: done"
-  expect w2 0 "worker 1: done"
-  expect ps 0 "ps 0: done"
+  expect_trained
   limit_s=12
 fi
 end_scenario
