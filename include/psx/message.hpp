@@ -292,10 +292,11 @@ class RequestHandler {
     lost,    //!< it failed, or went silent for the peer timeout
   };
   virtual WorkerState worker_state(std::size_t w) const noexcept = 0;
-  //! Whether training failed here for good (the sync policy gave up on a
-  //! lost worker): a transport between processes then refuses new worker
-  //! processes, which wait for the server a supervisor restarts in its place.
-  virtual bool training_failed() const noexcept { return false; }
+  //! Why training failed here for good (the sync policy gave up on a lost
+  //! worker), or empty: a transport between processes then refuses new
+  //! worker processes with it, and they wait for the server a supervisor
+  //! restarts in its place.
+  virtual std::string training_failure() const { return {}; }
 
  protected:
   ~RequestHandler() = default;

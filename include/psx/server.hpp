@@ -185,7 +185,7 @@ class Server final : public RequestHandler {
     }
   }
 
-  bool training_failed() const noexcept override { return failed_; }
+  std::string training_failure() const override { return failed_ ? failure_text() : std::string(); }
 
   WorkerState worker_state(std::size_t w) const noexcept override {
     if (w >= gone_.size() || gone_[w] == Gone::no) return WorkerState::active;

@@ -19,6 +19,7 @@
 
 #include <atomic>
 #include <condition_variable>
+#include <deque>
 #include <cstdlib>
 #include <cstring>
 #include <exception>
@@ -1055,6 +1056,84 @@ TEST_CASE("zmq: a worker process's messages are executed once each and in order,
   CHECK(how == "returned");
 }
 
+namespace {
+
+// SGD with lr 1 that takes `delay` per update: a deliberately slow server.
+struct SlowSgd {
+  std::chrono::microseconds delay{20};
+  std::size_t slots() const { return 0; }
+  void update(std::span<float> p, std::span<const float> g, const psx::SlotView&, const psx::UpdateContext&) const {
+    for (std::size_t i = 0; i < p.size(); ++i) p[i] -= g[i];
+    const auto until = std::chrono::steady_clock::now() + delay;
+    while (std::chrono::steady_clock::now() < until) {
+    }
+  }
+};
+static_assert(psx::Optimizer<SlowSgd>);
+
+}  // namespace
+
+TEST_CASE("zmq: pushes far beyond max_in_flight against a slow server wait for room: all applied once, in order") {
+  // PSX_ZMQ_SOAK=n pushes n (docs/faults.md reports 1,000,000); 20,000 by default.
+  const char* soak = std::getenv("PSX_ZMQ_SOAK");
+  const std::size_t n = soak ? std::strtoull(soak, nullptr, 10) : 20000;
+  psx_test::Watchdog dog("zmq backpressure soak", std::chrono::seconds(soak ? 3600 : 240));
+  TempDir dir;
+  const ClusterSpec c = spec(1, 1, false, dir.path);
+  using Slow = ZmqCluster<psx::partition::HashByName, psx::sync::Asynchronous, SlowSgd>;
+  const psx::ClusterConfig config{1, 1, std::chrono::milliseconds(20000)};
+  auto cap = [](Zmq z) {
+    z.max_in_flight = 64;
+    return z;
+  };
+  std::exception_ptr server_error;
+  std::thread server([&] {
+    try {
+      Slow ps(config, {}, {}, {}, cap(settings(c, "ps", 0, dir.path)));
+      ps.declare({.name = "w", .shape = {4}, .init = psx::Initializer::constant(0.0f)});
+      ps.run([](psx::Worker&) {});
+    } catch (...) {
+      server_error = std::current_exception();
+    }
+  });
+  {
+    Slow chief(config, {}, {}, {}, cap(settings(c, "chief", 0, dir.path)));
+    chief.declare({.name = "w", .shape = {4}, .init = psx::Initializer::constant(0.0f)});
+    const auto started = std::chrono::steady_clock::now();
+    chief.run([&](psx::Worker& w) {
+      // Up to 4096 handles held here, 64 messages in flight at the server:
+      // push_async waits for room.
+      const std::vector<float> g{1.0f, 0.5f, 0.25f, 0.125f};
+      std::deque<psx::Handle> held;
+      for (std::size_t k = 0; k < n; ++k) {
+        held.push_back(w.push_async("w", g));
+        if (held.size() == 4096) {
+          held.front().wait();
+          held.pop_front();
+        }
+      }
+      for (auto& h : held) h.wait();
+      std::vector<float> v(4);
+      w.pull("w", v);
+      // Every push applied once: n times g, exactly (small integers and halves).
+      CHECK(v == std::vector<float>{-1.0f * static_cast<float>(n), -0.5f * static_cast<float>(n),
+                                    -0.25f * static_cast<float>(n), -0.125f * static_cast<float>(n)});
+      const psx::ServerStats st = w.server_stats().at(0);
+      CHECK(st.pushes == n);
+      CHECK(st.errors == 0);
+      const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+      std::ifstream status("/proc/self/status");
+      std::string line, peak;
+      while (std::getline(status, line))
+        if (line.starts_with("VmHWM:")) peak = line.substr(6);
+      MESSAGE(n << " pushes against a server taking 20 us per update, 64 in flight: " << s << " s, "
+                << static_cast<double>(n) / s << " per second; this process's peak resident memory" << peak);
+    });
+  }
+  server.join();
+  if (server_error) std::rethrow_exception(server_error);
+}
+
 TEST_CASE("zmq: a server stops when the chief dies while others wait, when a worker died before the stop, and after a chief that never left") {
   psx_test::Watchdog dog("zmq dead peers", std::chrono::seconds(120));
   using namespace std::chrono_literals;
@@ -1350,6 +1429,7 @@ TEST_CASE("zmq: a pull left unwaited that waits on a worker waiting for this one
     });
     std::sort(outcomes.begin(), outcomes.end());
     REQUIRE(outcomes.size() == 3);
+    INFO("outcomes: " << outcomes[0] << " | " << outcomes[1] << " | " << outcomes[2]);
     if (throws) {
       CHECK(outcomes[0] == "chief: boom");
       CHECK(outcomes[2].find("worker: ") == 0);

@@ -145,6 +145,12 @@ struct Zmq {
   //! two loaded cores), and short enough that a dead peer is named in well
   //! under a minute.
   std::chrono::milliseconds default_peer_timeout{30000};
+  //! Messages a worker process may have unanswered at one server: a call
+  //! beyond it waits in its send until an answer makes room (backpressure),
+  //! so a worker that issues calls faster than a server answers them holds
+  //! a bounded number of them (and the server's window of answers stays
+  //! within its bound, 65,536, the default). 1 to 2^20.
+  std::size_t max_in_flight = std::size_t{1} << 16;
   Curve curve;
 
   //! TF_CONFIG for the cluster and task, PSX_RENDEZVOUS for `rendezvous`.
@@ -472,6 +478,9 @@ class Zmq::link_type {
     if (settings_.start_timeout < std::chrono::milliseconds(1) || settings_.start_timeout > std::chrono::hours(24 * 366))
       throw config_error("psx: Zmq::start_timeout must be from 1 ms to 366 days, got " +
                          std::to_string(settings_.start_timeout.count()) + " ms");
+    if (settings_.max_in_flight < 1 || settings_.max_in_flight > (std::size_t{1} << 20))
+      throw config_error("psx: Zmq::max_in_flight must be from 1 to 2^20, got " +
+                         std::to_string(settings_.max_in_flight));
     if (settings_.chunk_bytes == 0 || settings_.chunk_bytes > ::psx::detail::wire::max_chunk_bytes)
       throw config_error("psx: Zmq::chunk_bytes must be in [1, 2^31 - 1], got " +
                          std::to_string(settings_.chunk_bytes));
@@ -601,14 +610,21 @@ class Zmq::link_type {
     bool wake = false;
     {
       Lane& lane = lanes_[server];
-      std::lock_guard lane_lock(lane.mu);
-      {
-        std::lock_guard lock(mu_);
-        if (closing_) throw shutdown_error("psx: worker " + std::to_string(*worker_index_) + ": the link is closed");
+      std::unique_lock lane_lock(lane.mu);
+      for (;;) {
+        {
+          std::lock_guard lock(mu_);
+          if (closing_) throw shutdown_error("psx: worker " + std::to_string(*worker_index_) + ": the link is closed");
+        }
+        // A server that restarted lost what this worker trained there: no
+        // call goes on with it (the job returns to its checkpoint instead).
+        if (!lane.gone.empty()) throw peer_lost(lane.gone);
+        // Backpressure: a call waits for room (an answer, or the failure
+        // of the calls there: a dead server is named within the timeout).
+        // Clocks, cancels and heartbeats never wait.
+        if (!done || lane.pending.size() < settings_.max_in_flight) break;
+        lane.room.wait_for(lane_lock, std::chrono::milliseconds(100));
       }
-      // A server that restarted lost what this worker trained there: no
-      // call goes on with it (the job returns to its checkpoint instead).
-      if (!lane.gone.empty()) throw peer_lost(lane.gone);
       // Every message but a heartbeat is numbered, in the order the lane
       // sends them (the number is taken under the lane): the server
       // executes a process's messages in that order, each once, holding
@@ -829,6 +845,7 @@ class Zmq::link_type {
     std::mutex mu;
     std::deque<Frames> outbox;  // waits for the socket to take it
     Pending pending;            // sent, waiting for an answer
+    std::condition_variable room;  // pending shrank (Zmq::max_in_flight)
     std::uint64_t next_id = 1;  // the next message's number
     std::string gone;           // why no call may go on (the server restarted), once it did
     clock::time_point last_heard = clock::now();
@@ -1433,7 +1450,7 @@ class Zmq::link_type {
         gone.reason = "its process restarted: a new one said hello, so the one before is gone";
         h_.handle(std::move(gone));
       }
-      if (h_.training_failed()) {
+      if (const std::string failure = h_.training_failure(); !failure.empty()) {
         // Nothing but reads is served here any more: the new process waits
         // for the server that replaces this one (start_worker). A new chief
         // process means the job is starting again: this server ends now
@@ -1444,7 +1461,8 @@ class Zmq::link_type {
         return answer(msg[0], ::psx::detail::wire::encode_refuse(
                                   ::psx::detail::wire::Status::peer_lost,
                                   "psx: " + name_ + " refuses worker " + std::to_string(hello.worker) +
-                                      ": training failed on it, and it serves reads only until it ends"));
+                                      ": training failed on it (" + failure +
+                                      "), and it serves reads only until it ends"));
       }
       // This process is the worker's from now on; its numbered messages
       // start at 1.
@@ -2065,6 +2083,7 @@ class Zmq::link_type {
       if (!zmq::recv_multipart(dealers_[s], std::back_inserter(msg), zmq::recv_flags::dontwait)) return true;
       detail_zmq::taken_over();
       lane.last_heard = clock::now();
+      lane.room.notify_all();  // no-op without a caller waiting for room
       if (auto why = on_reply(s, msg, lane.pending); !why.empty()) {
         // The server restarted: what this worker trained there is gone.
         // Every call waiting on it fails now, and every later one at once.
