@@ -39,6 +39,7 @@
 #include <optional>
 #include <string>
 #include <thread>
+#include <vector>
 
 namespace {
 
@@ -62,12 +63,16 @@ void declare_all(PS& ps, const Flags& f) {
                 .trainable = false});
 }
 
+// Whether two float vectors hold the same bits (memcmp must not see the
+// null data of an empty vector: SGD keeps no slots).
+bool same_bits(const std::vector<float>& x, const std::vector<float>& y) {
+  return x.size() == y.size() && (x.empty() || std::memcmp(x.data(), y.data(), x.size() * sizeof(float)) == 0);
+}
+
 int compare(const char* a, const char* b) {
   for (const auto& name : psx_zmq_test::names()) {
     const auto x = psx::checkpoint::load_variable(a, name), y = psx::checkpoint::load_variable(b, name);
-    if (x.values.size() != y.values.size() || x.slots.size() != y.slots.size() || x.version != y.version ||
-        std::memcmp(x.values.data(), y.values.data(), x.values.size() * sizeof(float)) != 0 ||
-        std::memcmp(x.slots.data(), y.slots.data(), x.slots.size() * sizeof(float)) != 0) {
+    if (x.version != y.version || !same_bits(x.values, y.values) || !same_bits(x.slots, y.slots)) {
       std::printf("compare: variable %s differs (parameters or optimizer slots)\n", name.c_str());
       return 1;
     }
