@@ -439,6 +439,17 @@ inline int poll(zmq::pollitem_t* items, std::size_t n, std::chrono::milliseconds
   }
 }
 
+// The routing id every socket of worker `w`'s process of incarnation
+// `process` carries (Zmq::link_type::open_dealer), and that its server
+// answers to: 'P' (libzmq wants no 0 first), the worker (u32), the
+// incarnation (u64).
+inline std::string routing_id(std::uint32_t w, std::uint64_t process) {
+  std::string id = "P";
+  id.append(reinterpret_cast<const char*>(&w), sizeof w);
+  id.append(reinterpret_cast<const char*>(&process), sizeof process);
+  return id;
+}
+
 inline int ms_until(clock::time_point t, clock::time_point now) {
   if (t <= now) return 0;
   const auto ms = std::chrono::ceil<std::chrono::milliseconds>(t - now).count();
@@ -881,9 +892,7 @@ class Zmq::link_type {
                          " (port 0: ephemeral) but no rendezvous directory is set (Zmq::rendezvous, PSX_RENDEZVOUS)");
     const auto file = rendezvous_file(s);
     for (;;) {
-      std::ifstream in(file);
-      std::string endpoint;
-      if (in && std::getline(in, endpoint) && !endpoint.empty()) return endpoint;
+      if (std::string endpoint = published(s); !endpoint.empty()) return endpoint;
       if (clock::now() >= deadline)
         throw peer_lost("psx: " + worker_name() + ": ps task " + std::to_string(s) + " (" + address +
                         ") did not publish its endpoint in " + file.string() + " within " +
@@ -900,9 +909,8 @@ class Zmq::link_type {
     if (settings_.rendezvous.empty() ||
         tcp_port(settings_.tf.cluster.server_address(s)) != std::optional<std::uint16_t>(0))
       return false;
-    std::ifstream in(rendezvous_file(s));
-    std::string endpoint;
-    if (!in || !std::getline(in, endpoint) || endpoint.empty() || endpoint == endpoints_[s]) return false;
+    std::string endpoint = published(s);
+    if (endpoint.empty() || endpoint == endpoints_[s]) return false;
     std::swap(endpoints_[s], endpoint);
     try {
       open_dealer(s);
@@ -1020,14 +1028,21 @@ class Zmq::link_type {
   // same host; empty otherwise.
   std::string previous_endpoint(const std::string& endpoint) const {
     if (settings_.rendezvous.empty() || !endpoint.ends_with(":0")) return {};
-    std::ifstream in(rendezvous_file(*server_index_));
-    std::string e;
-    if (!in || !std::getline(in, e)) return {};
+    const std::string e = published(*server_index_);
     const std::string host = endpoint.substr(0, endpoint.size() - 1);  // "tcp://127.0.0.1:"
     const auto port = e.size() > host.size() && e.starts_with(host) ? e.substr(host.size()) : std::string();
     if (port.empty() || port.size() > 5 || !std::all_of(port.begin(), port.end(), [](char c) { return c >= '0' && c <= '9'; }))
       return {};
     return e;
+  }
+
+  // The endpoint server `s` has published in the rendezvous directory (the
+  // first line of its file), or empty.
+  std::string published(std::size_t s) const {
+    std::ifstream in(rendezvous_file(s));
+    std::string endpoint;
+    if (!in || !std::getline(in, endpoint)) return {};
+    return endpoint;
   }
 
   // Where server `s` bound to port 0 publishes its endpoint (`.tmp` and
@@ -1046,10 +1061,7 @@ class Zmq::link_type {
       const auto file = rendezvous_file(*server_index_);
       const detail_zmq::FileLock lock(std::filesystem::path(file) += ".lock");
       if (!lock.held()) return;  // as after a crash: the file stays
-      std::ifstream in(file);
-      std::string endpoint;
-      if (in && std::getline(in, endpoint) && endpoint == bound_) {
-        in.close();
+      if (published(*server_index_) == bound_) {
         std::error_code ec;
         std::filesystem::remove(file, ec);
       }
@@ -1165,7 +1177,7 @@ class Zmq::link_type {
       std::vector<std::unique_ptr<std::uint64_t[]>> replies;
       std::uint32_t worker = 0;  // the request's (it moves to the handler)
       bool windowed = false;     // kept in its worker's window (its answer is remembered)
-      std::string reply_to;      // where answers go, when not back on `routing` (routing_of)
+      std::string reply_to;      // where answers go, when not back on `routing` (detail_zmq::routing_id)
       std::exception_ptr error;  // refused as it came: the answer, in its place in order
     };
 
@@ -1426,7 +1438,7 @@ class Zmq::link_type {
       // than after the peer timeout, and the sync policy decides
       // (Synchronous fails the cluster: its processes end, and a supervisor
       // that restarts them resumes from the last checkpoint).
-      if (hello.process != 0 && msg[0].to_string_view() != routing_of(hello.worker, hello.process)) {
+      if (hello.process != 0 && msg[0].to_string_view() != detail_zmq::routing_id(hello.worker, hello.process)) {
         // Only the process itself says hello for it (its routing id names
         // it): anything else could take a worker over.
         reject();
@@ -1473,17 +1485,6 @@ class Zmq::link_type {
       before = hello.process;
       heard_from(hello.worker);
       answer(msg[0], ::psx::detail::wire::encode_signal(::psx::detail::wire::Kind::welcome, l_.incarnation_));
-    }
-
-    // The routing id of worker `w`'s process of incarnation `process`
-    // (open_dealer): answers go there, so that they reach its newest
-    // connection (ZMQ_ROUTER_HANDOVER), also for a request that came on one
-    // already replaced (libzmq renames such a connection).
-    static std::string routing_of(std::uint32_t w, std::uint64_t process) {
-      std::string id = "P";
-      id.append(reinterpret_cast<const char*>(&w), sizeof w);
-      id.append(reinterpret_cast<const char*>(&process), sizeof process);
-      return id;
     }
 
     // Checks an item's reply size against the declared variable before the
@@ -1556,7 +1557,7 @@ class Zmq::link_type {
         if (process != 0 && worker < windows_.size() && windows_[worker].process == process) {
           call->worker = worker;
           call->in.head.process = process;
-          call->reply_to = routing_of(worker, process);
+          call->reply_to = detail_zmq::routing_id(worker, process);
           return sequence(call, call_id);
         }
         return reply(call, call_id, call->error);
@@ -1597,7 +1598,10 @@ class Zmq::link_type {
                            "psx: " + sender(r.worker) + ": " + name_ +
                            " serves another process of this worker (one that said hello since), or none yet")));
         }
-        call->reply_to = routing_of(r.worker, process);
+        // Answers go to the process's routing id, so that they reach its
+        // newest connection (ZMQ_ROUTER_HANDOVER), also for a request that
+        // came on one already replaced (libzmq renames such a connection).
+        call->reply_to = detail_zmq::routing_id(r.worker, process);
       } else if ((r.op == Op::fail || r.op == Op::leave) && welcomed_[r.worker].value_or(0) != 0) {
         return reject();  // only a numbered process may end a worker welcomed as one
       }
@@ -1683,7 +1687,7 @@ class Zmq::link_type {
     // The frames of a remembered answer, to the worker's current connection.
     std::vector<zmq::message_t> remembered(std::uint32_t w, const Window& win, const Window::Entry& e) {
       std::vector<zmq::message_t> frames;
-      const std::string to = routing_of(w, win.process);
+      const std::string to = detail_zmq::routing_id(w, win.process);
       frames.emplace_back(to.data(), to.size());
       frames.push_back(detail_zmq::message_of(e.header));
       if (e.tensors)
@@ -1764,11 +1768,7 @@ class Zmq::link_type {
 
   void start_worker() {
     const auto deadline = clock::now() + settings_.start_timeout;
-    // 'P', the worker (u32) and this process's incarnation (u64): not 0 first, as libzmq wants.
-    routing_id_ = "P";
-    const auto w = static_cast<std::uint32_t>(*worker_index_);
-    routing_id_.append(reinterpret_cast<const char*>(&w), sizeof w);
-    routing_id_.append(reinterpret_cast<const char*>(&incarnation_), sizeof incarnation_);
+    routing_id_ = detail_zmq::routing_id(static_cast<std::uint32_t>(*worker_index_), incarnation_);
     const std::size_t n = ctx_.num_servers;
     endpoints_.resize(n);
     dealers_.resize(n);
