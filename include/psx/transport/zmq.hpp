@@ -17,6 +17,7 @@
 #include <psx/concepts.hpp>
 #include <psx/detail/cpus.hpp>
 #include <psx/detail/hash.hpp>
+#include <psx/detail/window.hpp>
 #include <psx/detail/wire.hpp>
 #include <psx/errors.hpp>
 #include <psx/message.hpp>
@@ -1182,62 +1183,15 @@ class Zmq::link_type {
     };
 
     // What a server remembers of one worker process's calls, so that a call
-    // sent again after a reconnect is executed once: the calls received
-    // and not yet acknowledged, each in progress or with the answer it got.
-    // A worker's request tells the lowest call it still waits on (the
-    // floor): everything below is forgotten then, so a window holds the
-    // calls the worker has in flight plus those answered since its last
-    // message (heartbeats carry the floor too: a quarter of the peer
-    // timeout at most). Bounded besides: the answers of reads (pulls,
-    // stats), which carry tensors, take at most `window_bytes`, the oldest
-    // forgotten first (a read sent again is simply served again); at most
-    // `window_calls` calls, the oldest answered forgotten first, and a
-    // call sent again below those is refused rather than executed twice.
-    static constexpr std::size_t window_bytes = std::size_t{64} << 20;
-    static constexpr std::size_t window_calls = std::size_t{1} << 16;
-    struct Window {
-      struct Entry {
-        bool answered = false;
-        bool read = false;                   // a read: executing it again changes nothing
-        std::vector<std::byte> header;       // the answer's header frame
-        std::shared_ptr<ServerCall> tensors;  // the answer's tensors (reads), borrowed again
-        std::size_t bytes = 0;               // tensor bytes kept
-      };
-      std::uint64_t process = 0;      // the worker process's incarnation (its hello's)
-      std::uint64_t next = 1;         // the message expected next: those below were received
-      std::map<std::uint64_t, std::shared_ptr<ServerCall>> held;  // came early, wait for `next`
-      std::uint64_t floor = 0;        // calls below were acknowledged: forgotten
-      std::uint64_t refused_below = 0;  // a call below, not in `entries`, may have been executed: refused
-      std::map<std::uint64_t, Entry> entries;
-      std::size_t bytes = 0;
-
-      void forget(std::map<std::uint64_t, Entry>::iterator it) {
-        bytes -= it->second.bytes;
-        entries.erase(it);
-      }
-      void acknowledge(std::uint64_t below) {
-        if (below <= floor) return;
-        floor = below;
-        while (!entries.empty() && entries.begin()->first < below) forget(entries.begin());
-      }
-      // After an answer was kept: back within the bounds.
-      void trim() {
-        for (auto it = entries.begin(); bytes > window_bytes && it != entries.end();) {
-          if (it->second.answered && it->second.read)
-            forget(it++);  // a read: served again if it comes again
-          else
-            ++it;
-        }
-        for (auto it = entries.begin(); entries.size() > window_calls && it != entries.end();) {
-          if (!it->second.answered) {
-            ++it;
-            continue;
-          }
-          if (!it->second.read) refused_below = std::max(refused_below, it->first + 1);
-          forget(it++);
-        }
-      }
+    // sent again after a reconnect is executed once and in order
+    // (psx/detail/window.hpp): a kept answer is its header frame and, for a
+    // read, its tensors (the call's answer buffers, borrowed again).
+    struct Kept {
+      std::vector<std::byte> header;
+      std::shared_ptr<ServerCall> tensors;
     };
+    using Window = ::psx::detail::Window<std::shared_ptr<ServerCall>, Kept>;
+    static constexpr ::psx::detail::WindowLimits window_limits{};
 
     clock::time_point monitor_due_{};
 
@@ -1479,8 +1433,7 @@ class Zmq::link_type {
       // This process is the worker's from now on; its numbered messages
       // start at 1.
       if (!before || *before != hello.process) {
-        windows_[hello.worker] = Window{};
-        windows_[hello.worker].process = hello.process;
+        windows_[hello.worker] = Window(hello.process, window_limits);
       }
       before = hello.process;
       heard_from(hello.worker);
@@ -1554,7 +1507,7 @@ class Zmq::link_type {
                                           ? ::psx::detail::wire::get<std::uint64_t>(head, ::psx::detail::wire::request_process_at)
                                           : 0;
         call->error = std::current_exception();
-        if (process != 0 && worker < windows_.size() && windows_[worker].process == process) {
+        if (process != 0 && worker < windows_.size() && windows_[worker].process() == process) {
           call->worker = worker;
           call->in.head.process = process;
           call->reply_to = detail_zmq::routing_id(worker, process);
@@ -1590,7 +1543,7 @@ class Zmq::link_type {
       // change what the worker's current process trains.
       const std::uint64_t process = sent.process;
       if (process != 0) {
-        if (windows_[r.worker].process != process) {
+        if (windows_[r.worker].process() != process) {
           reject();
           if (call_id == 0) return;
           return reply(call, call_id,
@@ -1622,48 +1575,46 @@ class Zmq::link_type {
     void sequence(std::shared_ptr<ServerCall> call, std::uint64_t call_id) {
       Window& win = windows_[call->worker];
       const std::string& from = sender(call->worker);
-      if (call_id < win.next) {  // received before
-        h_.link_event(RequestHandler::LinkEvent::duplicate);
-        const auto it = win.entries.find(call_id);
-        if (it != win.entries.end() && it->second.answered)  // its answer was lost: the same answer again
-          return send_now(remembered(call->worker, win, it->second));
-        if (it == win.entries.end() && call_id < win.refused_below)
+      switch (win.arrive(call_id, call, !call->error && is_read(call->in.request.op))) {
+        case Window::Arrival::answered:  // its answer was lost: the same answer again
+          h_.link_event(RequestHandler::LinkEvent::duplicate);
+          return send_now(remembered(call->worker, win, win.find(call_id)->answer));
+        case Window::Arrival::running:  // answered when it completes, or acknowledged (nobody waits)
+          h_.link_event(RequestHandler::LinkEvent::duplicate);
+          return;
+        case Window::Arrival::forgotten:
+          h_.link_event(RequestHandler::LinkEvent::duplicate);
           return reply(call, call_id,
                        std::make_exception_ptr(wire_error(
                            "psx: " + from + ": message " + std::to_string(call_id) + " was sent again after " +
-                           name_ + " forgot its answer (over " + std::to_string(window_calls) +
+                           name_ + " forgot its answer (over " + std::to_string(window_limits.calls) +
                            " in flight); it is not executed twice")));
-        return;  // in progress (answered when it completes), or acknowledged (nobody waits)
-      }
-      if (call_id > win.next) {
-        // Early: one before it was lost with a connection and comes again
-        // after the reconnect. Held back until then, so that the worker's
-        // messages are executed in the order it sent them.
-        if (win.held.size() >= window_calls) {
+        case Window::Arrival::overflow:
           reject();
           return reply(call, call_id,
                        std::make_exception_ptr(wire_error(
                            "psx: " + from + ": message " + std::to_string(call_id) + " came while " +
-                           std::to_string(win.held.size()) + " others waited for message " +
-                           std::to_string(win.next) + ", which never came")));
-        }
-        win.held.emplace(call_id, std::move(call));
-        return;
+                           std::to_string(win.held()) + " others waited for message " +
+                           std::to_string(win.next()) + ", which never came")));
+        case Window::Arrival::held:
+          // Early: one before it was lost with a connection and comes again
+          // after the reconnect. Held back until then, so that the worker's
+          // messages are executed in the order it sent them.
+          return;
+        case Window::Arrival::run:
+          break;
       }
       // In order: run, then whatever was held back behind it.
       for (;;) {
-        ++win.next;
-        win.entries[call_id].read = !call->error && is_read(call->in.request.op);
         call->windowed = true;
         if (call->error)
           reply(call, call_id, call->error);
         else
           execute(call, call_id);
-        const auto next = win.held.find(win.next);
-        if (next == win.held.end()) break;
-        call = std::move(next->second);
+        auto next = win.release();
+        if (!next) break;
         call_id = next->first;
-        win.held.erase(next);
+        call = std::move(next->second);
       }
     }
 
@@ -1685,9 +1636,9 @@ class Zmq::link_type {
     }
 
     // The frames of a remembered answer, to the worker's current connection.
-    std::vector<zmq::message_t> remembered(std::uint32_t w, const Window& win, const Window::Entry& e) {
+    std::vector<zmq::message_t> remembered(std::uint32_t w, const Window& win, const Kept& e) {
       std::vector<zmq::message_t> frames;
-      const std::string to = detail_zmq::routing_id(w, win.process);
+      const std::string to = detail_zmq::routing_id(w, win.process());
       frames.emplace_back(to.data(), to.size());
       frames.push_back(detail_zmq::message_of(e.header));
       if (e.tensors)
@@ -1732,19 +1683,11 @@ class Zmq::link_type {
     // waits for it (the worker may have acknowledged it, or restarted).
     void remember(const std::shared_ptr<ServerCall>& call, std::uint64_t id, const std::vector<std::byte>& header,
                   bool tensors) {
-      if (call->worker >= windows_.size() || windows_[call->worker].process != call->in.head.process) return;
-      Window& win = windows_[call->worker];
-      const auto it = win.entries.find(id);
-      if (it == win.entries.end()) return;
-      auto& e = it->second;
-      e.answered = true;
-      e.header = header;
-      if (tensors) {
-        e.tensors = call;  // the answer buffers, shared with the frames being sent
-        for (const auto& o : call->in.outs) e.bytes += o.bytes();
-        win.bytes += e.bytes;
-      }
-      win.trim();
+      if (call->worker >= windows_.size() || windows_[call->worker].process() != call->in.head.process) return;
+      std::size_t bytes = 0;
+      if (tensors)
+        for (const auto& o : call->in.outs) bytes += o.bytes();
+      windows_[call->worker].remember(id, Kept{header, tensors ? call : nullptr}, bytes);
     }
 
     link_type& l_;
