@@ -1335,8 +1335,16 @@ class Manager {
   //! this program cannot restore (other variables, another optimizer)
   //! throws, as does a directory whose checkpoints are all damaged (the
   //! checkpoint_error lists each and why): a run never silently starts
-  //! over from an older state, or from scratch.
+  //! over from an older state, or from scratch. A worker that rejoined a
+  //! job that went on without it (`Worker::rejoined`: a restarted process
+  //! under `Asynchronous` or a `shrink` policy) restores nothing and calls
+  //! no collective: it returns the clock `run` gave it, the others' step.
   std::uint64_t restore_or_init(Worker& w) {
+    // A restarted process of a worker that the others trained on without
+    // (Worker::rejoined): the job's start is long past, and the others
+    // make no collective for it; it goes on from the step `run` gave it,
+    // with the parameters as the others trained them.
+    if (w.rejoined()) return w.clock();
     // The chief's view decides, and everyone learns it: workers that each
     // looked for themselves could see different newest checkpoints (one
     // written meanwhile, a host's stale view of a shared directory), and

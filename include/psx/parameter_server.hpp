@@ -17,10 +17,14 @@
 #include <psx/worker.hpp>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cstddef>
+#include <cstdint>
+#include <cstring>
 #include <exception>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -77,6 +81,7 @@ class ParameterServer {
                          std::to_string(config.peer_timeout.count()) + " ms");
     core_->config = config;
     core_->clocks.assign(config.num_workers, 0);
+    core_->rejoined.assign(config.num_workers, 0);
     placed_bytes_.assign(config.num_servers, 0);
   }
 
@@ -312,19 +317,38 @@ class ParameterServer {
       // starts, at the clock of the furthest one: a second run continues
       // from the last step of the first, whatever each worker did then.
       const std::uint64_t clock = *std::max_element(core_->clocks.begin(), core_->clocks.end());
-      auto joined = std::make_shared<Completion>(config().num_servers * local.size());
-      for (std::size_t w : local) {
+      const std::size_t servers = config().num_servers;
+      auto joined = std::make_shared<Completion>(servers * local.size());
+      // Each server answers the clock it counts the worker at: further than
+      // `clock` for a worker it had lost (a restarted process joining a
+      // job that went on without it), which resumes at the slowest server's.
+      std::vector<std::array<float, 2>> at(servers * local.size());
+      for (std::size_t k = 0; k < local.size(); ++k) {
+        const std::size_t w = local[k];
         core_->clocks[w] = clock;
-        for (std::size_t s = 0; s < config().num_servers; ++s) {
+        for (std::size_t s = 0; s < servers; ++s) {
           Request r;
           r.op = Op::join;
           r.worker = static_cast<std::uint32_t>(w);
           r.clock = clock;
+          Item answer;
+          answer.out = at[k * servers + s];
+          r.items.push_back(answer);
           r.done = joined;
           core_->send(s, std::move(r));
         }
       }
       core_->wait(config().num_workers, *joined);
+      for (std::size_t k = 0; k < local.size(); ++k) {
+        std::uint64_t resume = std::numeric_limits<std::uint64_t>::max();
+        for (std::size_t s = 0; s < servers; ++s) {
+          std::uint64_t v;
+          std::memcpy(&v, at[k * servers + s].data(), sizeof v);
+          resume = std::min(resume, v);
+        }
+        core_->rejoined[local[k]] = resume > clock;
+        if (resume > clock) core_->clocks[local[k]] = resume;
+      }
     }
     if (core_->worker_begins)
       for (std::size_t w : local) core_->worker_begins(w);

@@ -392,8 +392,11 @@ class Server final : public RequestHandler {
         push(r);
         advance();
         break;
-      case Op::clock:
       case Op::join:
+        join(r);
+        advance();
+        break;
+      case Op::clock:
       case Op::leave:
         tick_clock(r);
         if (r.op == Op::clock) count_empty_steps(r.worker);
@@ -898,6 +901,35 @@ class Server final : public RequestHandler {
     if (r.op != Op::leave) clocks_[r.worker] = std::max(clocks_[r.worker], r.clock);
     recount();
     release_barrier();
+  }
+
+  // A worker (re)joins. One that was lost (its process died, and a
+  // policy that goes on without it let the others train on) comes back at
+  // the step of the slowest worker still training, not at the clock it
+  // brings (a restarted process starts at 0): its pushes then count for
+  // the step the others are at, and a bounded-staleness policy does not
+  // hold them back while it catches up. The answer (an item of 2 floats,
+  // the bits of a uint64) is the clock this server now counts it at.
+  void join(Request& r) {
+    if (!r.items.empty() && (r.items.size() != 1 || r.items[0].out.size() != 2))
+      throw wire_error("psx: " + where(r) + ": a join carries no item, or one answer of 2 floats");
+    const bool was_lost = gone_[r.worker] == Gone::lost;
+    tick_clock(r);
+    if (was_lost) {
+      std::uint64_t others = std::numeric_limits<std::uint64_t>::max();
+      for (std::size_t w = 0; w < clocks_.size(); ++w)
+        if (w != r.worker && gone_[w] == Gone::no) others = std::min(others, clocks_[w]);
+      if (others != std::numeric_limits<std::uint64_t>::max() && others > clocks_[r.worker]) {
+        clocks_[r.worker] = others;
+        recount();
+        release_barrier();
+      }
+    }
+    if (!r.items.empty()) {
+      const std::uint64_t at = clocks_[r.worker];
+      static_assert(sizeof at == 2 * sizeof(float));
+      std::memcpy(r.items[0].out.data(), &at, sizeof at);
+    }
   }
 
   void recount() noexcept {

@@ -171,6 +171,7 @@ struct ClusterCore {
   std::function<void(std::size_t, Request&&)> send;
   std::atomic<bool> stopped{false};
   std::vector<std::uint64_t> clocks;  // one per worker, touched only by that worker's thread
+  std::vector<std::uint8_t> rejoined;  // per worker: its run() joined a job that went on without it
   std::atomic<std::uint64_t> calls{0};  // numbers the cancellable pulls (Request::call)
   // Set when the link has the optional members of the same names (a
   // simulated cluster): how a worker (or, with an index >= num_workers,
@@ -264,6 +265,13 @@ class Worker {
   bool is_chief() const noexcept { return index_ == 0; }
   //! Number of `step()` calls so far.
   std::uint64_t clock() const noexcept { return core_->clocks[index_]; }
+  //! Whether this worker joined a job that had gone on without it: a
+  //! restarted process of a worker the servers had lost, under a policy
+  //! that let the others train on (`Asynchronous`, `shrink`). `run` then
+  //! starts it at the clock of the slowest server, not at 0, and the
+  //! collectives of a job's start (`CheckpointManager::restore_or_init`)
+  //! are not for it: the others made them long ago.
+  bool rejoined() const noexcept { return core_->rejoined[index_] != 0; }
   //! The variable declared as `name`; throws `psx::unknown_variable`.
   const VariableInfo& variable(std::string_view name) const { return core_->find(name, "lookup", index_); }
 

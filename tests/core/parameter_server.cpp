@@ -6,6 +6,7 @@
 #include <psx/psx.hpp>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstring>
@@ -1286,6 +1287,39 @@ TEST_CASE("a lost worker's barrier part does not stand in for a live worker") {
   const auto b2 = barrier(2);
   CHECK(b0->ready());
   CHECK(b2->ready());
+}
+
+TEST_CASE("a lost worker that joins again resumes at the step of the others still training, and its join says so") {
+  HandServer<psx::sync::BoundedStaleness<1>> h({psx::sync::Aggregate::mean, psx::OnWorkerLost::shrink}, 3);
+  // Answers a join of worker w at `clock` with the clock the server counts it at.
+  auto join = [&](std::uint32_t w, std::uint64_t clock) {
+    psx::Request r = op(psx::Op::join, w, clock);
+    std::array<float, 2> at{};
+    r.items.push_back({0, 0, {}, {}, {}, at, {}});
+    REQUIRE(h.send(std::move(r)).empty());
+    std::uint64_t v;
+    std::memcpy(&v, at.data(), sizeof v);
+    return v;
+  };
+  // A fresh start: every worker joins at 0, and stays there.
+  for (std::uint32_t w = 0; w < 3; ++w) CHECK(join(w, 0) == 0);
+  // Worker 2 dies at 1; the others (a policy that goes on without it) reach 5 and 4.
+  CHECK(h.send(op(psx::Op::clock, 2, 1)).empty());
+  psx::Request fail = op(psx::Op::fail, 2);
+  fail.reason = "its process died";
+  CHECK(h.send(std::move(fail)).empty());
+  for (std::uint64_t c = 1; c <= 5; ++c) CHECK(h.send(op(psx::Op::clock, 0, c)).empty());
+  for (std::uint64_t c = 1; c <= 4; ++c) CHECK(h.send(op(psx::Op::clock, 1, c)).empty());
+  // Its restarted process joins at 0: counted at 4, the slowest of the others.
+  CHECK(join(2, 0) == 4);
+  CHECK(h.send(op(psx::Op::clock, 2, 5)).empty());  // its next step is 5: no jump
+  // A worker that was not lost is counted where it was (a second run()).
+  CHECK(join(1, 4) == 4);
+  // A join's answer is 2 floats, or none.
+  psx::Request bad = op(psx::Op::join, 0, 5);
+  std::array<float, 3> three{};
+  bad.items.push_back({0, 0, {}, {}, {}, three, {}});
+  CHECK(h.send(std::move(bad)) == "psx: server 0, request from worker 0: a join carries no item, or one answer of 2 floats");
 }
 
 TEST_CASE("a worker declared lost is told so when it comes back") {

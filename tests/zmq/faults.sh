@@ -236,5 +236,32 @@ expect ps 0 "ps 0: done"
 limit_s=12
 end_scenario
 
+# A worker killed and restarted under Asynchronous (a policy that trains on
+# without a lost worker): the server counts the old process lost at the new
+# one's hello, and the new one joins at the others' step (Worker::rejoined),
+# its restore_or_init making no collective (the others made theirs long
+# ago). Every process exits 0.
+scenario="SIGKILL a worker under Asynchronous and restart it: it rejoins at the others' step"
+rm -rf "$work/ckpt_async"
+args=(--steps 150 --pause-ms 15 --peer-timeout-ms 2000 --sync async --checkpoint "$work/ckpt_async" --every 10)
+if launch_all; then
+  sleep 0.5
+  kill_quietly "$pid_w2"
+  start w2 worker 1
+  fault_ms=$(now_ms)
+  limit_s=60
+  expect w2 0 "worker 1: done"
+  expect chief 0 "steps trained (no comparison: not synchronous)"
+  expect w1 0 "worker 0: done"
+  expect ps 0 "ps 0: done"
+  if line=$(grep -m1 "worker 1: starts at step [1-9][0-9]* (restart 0, rejoined a running job)" "$work/w2.log"); then
+    echo "ok: $scenario: $line"
+  else
+    fail "$scenario: the restarted worker did not rejoin at a later step"; sed 's/^/    /' "$work/w2.log"
+  fi
+  limit_s=12
+fi
+end_scenario
+
 if [ "$failures" -ne 0 ]; then echo "$failures fault checks failed"; exit 1; fi
 echo "all fault checks passed"

@@ -7,6 +7,7 @@
 //                [--optimizer sgd|adam|ftrl] [--restore DIR] [--save ROOT]
 //   psx_zmq_node --compare DIR1 DIR2
 //   psx_zmq_node ... --checkpoint DIR --every N [--ballast-mb M]   (the chaos test)
+//   psx_zmq_node ... --sync async   (Asynchronous instead of Synchronous: no comparison)
 //
 // With --restore every task restores the checkpoint DIR first (the clock
 // starts at its step); with --save the cluster saves a checkpoint under
@@ -39,6 +40,7 @@
 #include <optional>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -51,6 +53,7 @@ struct Flags {
   int every = 10;
   int ballast_mb = 0;
   bool alone = false;  // --alone 1: no final barrier, no comparison (workers of unequal steps end in any order)
+  std::string sync = "bsp";  // or "async"
 };
 
 template <class PS>
@@ -81,9 +84,9 @@ int compare(const char* a, const char* b) {
   return 0;
 }
 
-template <class O>
+template <class S, class O>
 int run(const Flags& f, const O& optimizer) {
-  using Policies = psx::ParameterServer<psx::partition::RowRange, psx::sync::Synchronous, O, psx::transport::Zmq>;
+  using Policies = psx::ParameterServer<psx::partition::RowRange, S, O, psx::transport::Zmq>;
   auto z = psx::transport::Zmq::from_env();
   const std::string role = z.tf.task.type + " " + std::to_string(z.tf.task.index);
   psx::ClusterConfig config{z.tf.cluster.num_servers(), z.tf.cluster.num_workers(),
@@ -104,8 +107,8 @@ int run(const Flags& f, const O& optimizer) {
       if (ckpt) {
         start = ckpt->restore_or_init(w);
         const char* again = std::getenv("PSX_RESTART_COUNT");
-        std::printf("%s: starts at step %llu (restart %s)\n", role.c_str(), static_cast<unsigned long long>(start),
-                    again ? again : "0");
+        std::printf("%s: starts at step %llu (restart %s%s)\n", role.c_str(), static_cast<unsigned long long>(start),
+                    again ? again : "0", w.rejoined() ? ", rejoined a running job" : "");
         std::fflush(stdout);
       }
       bool said = false;
@@ -148,6 +151,11 @@ int run(const Flags& f, const O& optimizer) {
     std::printf("%s: done\n", role.c_str());
   }
   if (z.tf.task.type != "chief" || !f.restore.empty() || !f.save.empty() || f.alone) return 0;
+  if constexpr (!std::is_same_v<S, psx::sync::Synchronous>) {
+    std::printf("chief: %zu servers, %zu workers, %d steps trained (no comparison: not synchronous)\n",
+                config.num_servers, config.num_workers, f.steps);
+    return 0;
+  }
   psx::ParameterServer<psx::partition::RowRange, psx::sync::Synchronous, O> local(
       psx::ClusterConfig{config.num_servers, config.num_workers}, {}, {}, optimizer);
   declare_all(local, f);
@@ -183,14 +191,16 @@ int main(int argc, char** argv) {
       else if (flag == "--every") f.every = std::max(1, std::atoi(argv[i + 1]));
       else if (flag == "--ballast-mb") f.ballast_mb = std::atoi(argv[i + 1]);
       else if (flag == "--alone") f.alone = std::atoi(argv[i + 1]) != 0;
+      else if (flag == "--sync" && (std::string(argv[i + 1]) == "bsp" || std::string(argv[i + 1]) == "async")) f.sync = argv[i + 1];
       else {
         std::fprintf(stderr, "psx_zmq_node: unknown flag %s\n", argv[i]);
         return 2;
       }
     }
-    if (f.optimizer == "adam") return run(f, psx::optim::Adam{.lr = 0.01});
-    if (f.optimizer == "ftrl") return run(f, psx::optim::Ftrl{.lr = 0.05, .l1 = 0.001, .l2 = 0.001});
-    return run(f, psx::optim::SGD{0.05f});
+    if (f.sync == "async") return run<psx::sync::Asynchronous>(f, psx::optim::SGD{0.05f});
+    if (f.optimizer == "adam") return run<psx::sync::Synchronous>(f, psx::optim::Adam{.lr = 0.01});
+    if (f.optimizer == "ftrl") return run<psx::sync::Synchronous>(f, psx::optim::Ftrl{.lr = 0.05, .l1 = 0.001, .l2 = 0.001});
+    return run<psx::sync::Synchronous>(f, psx::optim::SGD{0.05f});
   } catch (const psx::error& e) {
     std::printf("psx error: %s\n", e.what());
     return 3;
