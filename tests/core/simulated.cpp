@@ -136,13 +136,15 @@ TEST_CASE("a pull and a push take the times the network and compute model say") 
     times.push_back(sim.timeline->worker_time(0));
     w.step();
   });
-  // The join: 100 B each way, through both links and the network, twice.
-  const double hop = [&](double bytes) { return 2 * bytes / B + L; }(100);
-  const double join = 2 * hop;
+  // The join: 116 B out (the header and its one item), 108 B back (the
+  // header and the clock it is counted at, 2 floats), through both links
+  // and the network each way.
+  const auto hop = [&](double bytes) { return 2 * bytes / B + L; };
+  const double join = hop(116) + hop(108);
   // A pull: the request (100 B + 16 B for its one item), then the answer with 4000 B of floats.
   const double pull = (2 * 116.0 / B + L) + (2 * 4100.0 / B + L);
   // A push: compute first, then 4116 B out, a 100 B answer back.
-  const double push = C + (2 * 4116.0 / B + L) + hop;
+  const double push = C + (2 * 4116.0 / B + L) + hop(100);
   REQUIRE(times.size() == 2);
   CHECK(times[0] == doctest::Approx(join + pull).epsilon(1e-12));
   CHECK(times[1] == doctest::Approx(join + pull + push).epsilon(1e-12));
