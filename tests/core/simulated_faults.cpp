@@ -170,6 +170,18 @@ struct Verdict {
   std::size_t restarts = 0;
   psx::transport::FaultCounts counts;
   std::uint64_t duplicates = 0, retried = 0;
+
+  void add(const psx::transport::FaultCounts& c, std::uint64_t dups, std::uint64_t resent) {
+    counts.dropped += c.dropped;
+    counts.lost += c.lost;
+    counts.duplicated += c.duplicated;
+    counts.delayed += c.delayed;
+    counts.resent += c.resent;
+    counts.partitions += c.partitions;
+    counts.kills += c.kills;
+    duplicates += dups;
+    retried += resent;
+  }
 };
 
 // Runs the job under the faults of `seed` (FaultModel::random), restarting
@@ -185,15 +197,7 @@ Verdict run_schedule(std::uint64_t seed) {
         k < 4 ? psx::transport::FaultModel::random(seed + (std::uint64_t{k} << 40), kServers, kWorkers, ref.seconds)
               : psx::transport::FaultModel{};
     const Attempt a = attempt(model(faults), dir.path);
-    v.counts.dropped += a.counts.dropped;
-    v.counts.lost += a.counts.lost;
-    v.counts.duplicated += a.counts.duplicated;
-    v.counts.delayed += a.counts.delayed;
-    v.counts.resent += a.counts.resent;
-    v.counts.partitions += a.counts.partitions;
-    v.counts.kills += a.counts.kills;
-    v.duplicates += a.stats.duplicates;
-    v.retried += a.stats.retried;
+    v.add(a.counts, a.stats.duplicates, a.stats.retried);
     std::ostringstream why;
     why << "seed " << seed << ", run " << k << " (" << faults << "): ";
     if (!a.error) {
@@ -382,15 +386,7 @@ TEST_CASE("seeded fault schedules in simulated time: every one ends bit-identica
   for (std::uint64_t seed = first; seed < first + count; ++seed) {
     const Verdict v = run_schedule(seed);
     restarted += v.restarts > 0;
-    total.counts.dropped += v.counts.dropped;
-    total.counts.lost += v.counts.lost;
-    total.counts.duplicated += v.counts.duplicated;
-    total.counts.delayed += v.counts.delayed;
-    total.counts.resent += v.counts.resent;
-    total.counts.partitions += v.counts.partitions;
-    total.counts.kills += v.counts.kills;
-    total.duplicates += v.duplicates;
-    total.retried += v.retried;
+    total.add(v.counts, v.duplicates, v.retried);
     if (!v.failure.empty()) {
       ++failed;
       FAIL_CHECK(v.failure << "\n  replay: PSX_SIM_FAULT_SEED=" << seed

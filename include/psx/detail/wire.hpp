@@ -36,9 +36,11 @@ static_assert(std::endian::native == std::endian::little,
 
 //! "PSXW" as the first four bytes of every header frame.
 inline constexpr std::uint32_t magic = 0x57585350u;
-//! Bumped whenever a layout below changes; peers of another version are
-//! refused at the handshake.
-inline constexpr std::uint16_t version = 3;
+//! Bumped whenever a layout below changes, or what a message asks of its
+//! peer; peers of another version are refused at the handshake. 4: a join
+//! carries one item of 2 floats, answered with the clock the server counts
+//! the worker at.
+inline constexpr std::uint16_t version = 4;
 //! Largest frame a sender makes: tensors above it are split into chunks.
 inline constexpr std::uint32_t max_chunk_bytes = 0x7fffffffu;  // 2 GiB - 1
 
