@@ -161,7 +161,8 @@ std::uint64_t restore_on_chief(const PS& ps, Worker& w, const fs::path& dir,
 
 //! Saves the cluster's state into `root/ckpt-<step>` (step: the worker's
 //! clock, the same on every worker). Collective: every worker calls it; the
-//! chief has every server write its shards into a temporary directory,
+//! chief has every server write its shards and its part of every dynamic
+//! table (rows, slots, admission and eviction state) into a temporary directory,
 //! writes the manifest, and renames the directory into place; the others
 //! wait on barriers. A save that fails (on any server) leaves the earlier
 //! checkpoints as they were and throws checkpoint_error on every worker
@@ -208,6 +209,10 @@ Info save(const PS& ps, Worker& w, const std::filesystem::path& root) {
     m.optimizer = cluster.optimizer;
     m.optimizer_slots = cluster.optimizer_slots;
     for (const VariableInfo& v : ::psx::detail::WorkerAccess::variables(w)) {
+      if (v.meta.kind == VariableKind::dynamic) {
+        m.tables.push_back({v.meta.name, v.meta.row_width, v.table});
+        continue;
+      }
       ManifestVariable mv{v.meta.name, {v.meta.shape.begin(), v.meta.shape.end()},
                           v.meta.kind == VariableKind::dense ? "dense" : "sparse", dtype_name(v.meta.dtype),
                           v.trainable, v.meta.row_width, {}};
@@ -240,7 +245,10 @@ Info save(const PS& ps, Worker& w, const std::filesystem::path& root) {
 //! servers and partitioner, and sets every worker's clock to its step;
 //! returns the step. Collective: every worker calls it before training
 //! (the chief reads the manifest and has every server load its shards; the
-//! others learn the step from it).
+//! others learn the step from it). A dynamic table's rows go to the server
+//! its ring (the declared one) names: where that is the saved ring, each
+//! server reads its own file's part; otherwise every server reads every
+//! file's (`DynamicTable::Restorer` says how the parts merge).
 //!
 //! All or nothing up to the last step: the chief checks the manifest
 //! against the declared variables and every shard file's header and size;

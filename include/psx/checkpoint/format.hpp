@@ -23,8 +23,11 @@ namespace psx {
 inline namespace v0 {
 namespace checkpoint {
 
-//! The newest format this psx writes and reads; every older one stays readable.
-inline constexpr std::uint32_t format_version = 1;
+//! The newest format this psx writes and reads; every older one stays
+//! readable. 1: fixed-size variables; 2: and dynamic tables (their rows,
+//! slots, admission and eviction state in each server's file, their
+//! declarations in the manifest).
+inline constexpr std::uint32_t format_version = 2;
 
 namespace detail {
 
@@ -132,7 +135,8 @@ inline Header decode_header(std::span<const std::byte> b, std::uint64_t file_siz
   if (h.crc != ::psx::detail::crc32c(b.first(60))) fail(file, "corrupted header (CRC-32C mismatch)");
   if (h.version == 0 || h.version > format_version)
     fail(file, "written in checkpoint format " + std::to_string(h.version) + "; this psx reads formats 1 to " +
-                   std::to_string(format_version) + " (a newer psx wrote it)");
+                   std::to_string(format_version) + (h.version == 0 ? std::string(" (no psx writes format 0)")
+                                                                     : " (a newer psx wrote it: upgrade psx to read it)"));
   const auto kind = get<std::uint32_t>(b.data() + 12);
   if (kind != static_cast<std::uint32_t>(want))
     fail(file, "is " + kind_name(kind) + ", expected " + kind_name(static_cast<std::uint32_t>(want)));

@@ -1,8 +1,8 @@
 //! @file psx/checkpoint/manifest.hpp
 //! The manifest the chief writes last (JSON: the step, the cluster, every
-//! variable's declaration and layout, every shard file's size and header
-//! CRC), and the checks that tell whether a checkpoint can restore the
-//! variables a program declares.
+//! variable's declaration and layout, every dynamic table's declaration,
+//! every shard file's size and header CRC), and the checks that tell
+//! whether a checkpoint can restore the variables a program declares.
 #pragma once
 
 #include <psx/checkpoint/files.hpp>
@@ -13,13 +13,13 @@
 #include <cereal/types/string.hpp>
 #include <cereal/types/vector.hpp>
 
+#include <bit>
 #include <cctype>
 #include <cstddef>
 #include <cstdint>
 #include <exception>
 #include <filesystem>
 #include <istream>
-#include <optional>
 #include <sstream>
 #include <string>
 #include <string_view>
@@ -56,6 +56,61 @@ struct ManifestVariable {
   }
 };
 
+namespace detail {
+
+// A table's options as the manifest's JSON holds them: the admission by
+// name, its probability as the bits of the double (the manifest's JSON has
+// integers only: check_json_depth).
+struct TableOptionsFields {
+  TableOptions* o;
+  static constexpr const char* admission_names[] = {"always", "after_pushes", "probability"};
+  template <class Ar>
+  void save(Ar& ar) const {
+    const std::string admission = admission_names[static_cast<std::size_t>(o->admission.kind)];
+    ar(cereal::make_nvp("admission", admission), cereal::make_nvp("pushes", o->admission.pushes),
+       cereal::make_nvp("probability_bits", std::bit_cast<std::uint64_t>(o->admission.probability)),
+       cereal::make_nvp("seed", o->admission.seed), cereal::make_nvp("sketch_width", o->admission.sketch_width),
+       cereal::make_nvp("sketch_depth", o->admission.sketch_depth),
+       cereal::make_nvp("sketch_window", o->admission.sketch_window), cereal::make_nvp("ttl_steps", o->ttl_steps),
+       cereal::make_nvp("ttl_sweep_steps", o->ttl_sweep_steps), cereal::make_nvp("memory_cap_bytes", o->memory_cap_bytes),
+       cereal::make_nvp("virtual_nodes", o->virtual_nodes), cereal::make_nvp("stripes", o->stripes),
+       cereal::make_nvp("removal_log_limit", o->removal_log_limit));
+  }
+  template <class Ar>
+  void load(Ar& ar) {
+    std::string admission;
+    std::uint64_t probability_bits = 0;
+    ar(cereal::make_nvp("admission", admission), cereal::make_nvp("pushes", o->admission.pushes),
+       cereal::make_nvp("probability_bits", probability_bits), cereal::make_nvp("seed", o->admission.seed),
+       cereal::make_nvp("sketch_width", o->admission.sketch_width),
+       cereal::make_nvp("sketch_depth", o->admission.sketch_depth),
+       cereal::make_nvp("sketch_window", o->admission.sketch_window), cereal::make_nvp("ttl_steps", o->ttl_steps),
+       cereal::make_nvp("ttl_sweep_steps", o->ttl_sweep_steps), cereal::make_nvp("memory_cap_bytes", o->memory_cap_bytes),
+       cereal::make_nvp("virtual_nodes", o->virtual_nodes), cereal::make_nvp("stripes", o->stripes),
+       cereal::make_nvp("removal_log_limit", o->removal_log_limit));
+    std::size_t k = 0;
+    while (k < std::size(admission_names) && admission != admission_names[k]) ++k;
+    if (k == std::size(admission_names)) throw checkpoint_error("an admission '" + admission.substr(0, 64) + "' psx does not know");
+    o->admission.kind = static_cast<Admission::Kind>(k);
+    o->admission.probability = std::bit_cast<double>(probability_bits);
+  }
+};
+
+}  // namespace detail
+
+//! A dynamic table as saved: its declaration. Its ids were placed by the
+//! consistent-hash ring of the manifest's `num_servers` servers and
+//! `options.virtual_nodes` points each; every server's file holds its rows.
+struct ManifestTable {
+  std::string name;
+  std::uint64_t dim = 0;  //!< floats per row
+  TableOptions options;
+  template <class Ar>
+  void serialize(Ar& ar) {
+    ar(CEREAL_NVP(name), CEREAL_NVP(dim), cereal::make_nvp("options", detail::TableOptionsFields{&options}));
+  }
+};
+
 //! A server's shard file as the manifest lists it.
 struct ManifestFile {
   std::string name;             //!< in the checkpoint directory
@@ -78,13 +133,15 @@ struct Manifest {
   std::string sync_policy;
   std::string optimizer;           //!< includes a schedule wrapped around it
   std::uint64_t optimizer_slots = 0;  //!< floats of state per parameter
-  std::vector<ManifestVariable> variables;
+  std::vector<ManifestVariable> variables;  //!< the fixed-size (dense and sparse) variables
   std::vector<ManifestFile> files;  //!< one per server, server s at index s
+  std::vector<ManifestTable> tables;  //!< the dynamic tables (format 2 on)
   template <class Ar>
   void serialize(Ar& ar) {
     ar(CEREAL_NVP(format_version), CEREAL_NVP(step), CEREAL_NVP(created_unix), CEREAL_NVP(num_servers),
        CEREAL_NVP(num_workers), CEREAL_NVP(partitioner), CEREAL_NVP(sync_policy), CEREAL_NVP(optimizer),
        CEREAL_NVP(optimizer_slots), CEREAL_NVP(variables), CEREAL_NVP(files));
+    if (format_version >= 2) ar(CEREAL_NVP(tables));  // read: the version read just above
   }
 };
 
@@ -205,6 +262,21 @@ inline Manifest decode_manifest(std::span<const std::byte> json, const Header& h
     const std::uint64_t rows = v.shape.empty() ? 1 : v.shape[0];
     if (expect != rows) fail(file, what + ": its shards cover " + std::to_string(expect) + " of " + std::to_string(rows) + " rows");
   }
+  for (std::size_t k = 0; k < m.tables.size(); ++k) {
+    const ManifestTable& t = m.tables[k];
+    const std::string what = "dynamic table '" + t.name.substr(0, 256) + "'";
+    if (t.name.empty() || t.name.size() > max_name_bytes) fail(file, "a dynamic table with a name of " + std::to_string(t.name.size()) + " bytes");
+    for (std::size_t j = 0; j < k; ++j)
+      if (m.tables[j].name == t.name) fail(file, what + " is listed twice");
+    for (const ManifestVariable& v : m.variables)
+      if (v.name == t.name) fail(file, what + " has the name of a variable too");
+    if (t.dim == 0 || t.dim > (std::uint64_t{1} << 20)) fail(file, what + ": rows of " + std::to_string(t.dim) + " floats");
+    try {  // the checks of its declaration
+      (void)::psx::detail::make_dynamic_meta(embedding(t.name, static_cast<std::size_t>(t.dim), {}, t.options), 0);
+    } catch (const std::exception& e) {
+      fail(file, what + ": options psx refuses (" + e.what() + ")");
+    }
+  }
   return m;
 }
 
@@ -216,10 +288,31 @@ inline Manifest load_manifest(const fs::path& dir) {
 
 // -- whether a checkpoint restores the declared variables ------------------------------
 
+inline const ManifestVariable* find_variable(const Manifest& m, const std::string& name) {
+  for (const ManifestVariable& v : m.variables)
+    if (v.name == name) return &v;
+  return nullptr;
+}
+
+inline const ManifestTable* find_table(const Manifest& m, const std::string& name) {
+  for (const ManifestTable& t : m.tables)
+    if (t.name == name) return &t;
+  return nullptr;
+}
+
+inline void check_slots(const Manifest& m, const fs::path& manifest_file, std::size_t num_slots) {
+  if (m.optimizer_slots != num_slots)
+    fail(manifest_file, "its optimizer (" + m.optimizer + ") keeps " + std::to_string(m.optimizer_slots) +
+                            " slots per parameter, this program's " + std::to_string(num_slots));
+}
+
 // Whether the checkpoint `m` can restore a variable: it is in it with the
 // same shape, dtype and row width, and the optimizer keeps as many slots.
 inline void check_variable(const Manifest& m, const fs::path& manifest_file, const ManifestVariable* v,
                            const VariableMeta& meta, std::size_t num_slots) {
+  if (!v && find_table(m, meta.name))
+    fail(manifest_file, "holds '" + meta.name + "' as a dynamic table, which this program declares as a " +
+                            (meta.kind == VariableKind::sparse ? "sparse" : "dense") + " variable");
   if (!v) fail(manifest_file, "has no variable '" + meta.name + "', which this program declares");
   std::vector<std::uint64_t> declared(meta.shape.begin(), meta.shape.end());
   if (v->shape != declared)
@@ -229,15 +322,23 @@ inline void check_variable(const Manifest& m, const fs::path& manifest_file, con
   if (v->row_width != meta.row_width)
     fail(manifest_file, "variable '" + meta.name + "' has rows of " + std::to_string(v->row_width) + " floats, declared " +
                             std::to_string(meta.row_width));
-  if (m.optimizer_slots != num_slots)
-    fail(manifest_file, "its optimizer (" + m.optimizer + ") keeps " + std::to_string(m.optimizer_slots) +
-                            " slots per parameter, this program's " + std::to_string(num_slots));
+  check_slots(m, manifest_file, num_slots);
 }
 
-inline const ManifestVariable* find_variable(const Manifest& m, const std::string& name) {
-  for (const ManifestVariable& v : m.variables)
-    if (v.name == name) return &v;
-  return nullptr;
+// Whether the checkpoint `m` can restore a dynamic table: it is in it with
+// rows as wide, and the optimizer keeps as many slots. Its options may
+// differ: the declared ones hold from the restore on (an admission sketch
+// of another width or depth starts from zero).
+inline void check_table(const Manifest& m, const fs::path& manifest_file, const ManifestTable* t,
+                        const VariableMeta& meta, std::size_t num_slots) {
+  if (!t && find_variable(m, meta.name))
+    fail(manifest_file, "holds '" + meta.name + "' as a " + find_variable(m, meta.name)->kind +
+                            " variable, which this program declares as a dynamic table");
+  if (!t) fail(manifest_file, "has no dynamic table '" + meta.name + "', which this program declares");
+  if (t->dim != meta.row_width)
+    fail(manifest_file, "dynamic table '" + meta.name + "' has rows of " + std::to_string(t->dim) + " floats, declared " +
+                            std::to_string(meta.row_width));
+  check_slots(m, manifest_file, num_slots);
 }
 
 // Whether a shard file (of `size` bytes, with header `h`) is the one the
@@ -274,31 +375,10 @@ inline void check_compatible(const Manifest& m, const fs::path& dir, const std::
     fail(dir / manifest_name, "was saved with optimizer " + m.optimizer + ", whose slots are not those of this "
                               "program's " + optimizer + " (" + optimizer_kind(m.optimizer) + " vs " +
                               optimizer_kind(optimizer) + ")");
-  for (const VariableInfo& v : variables)
-    check_variable(m, dir / manifest_name, find_variable(m, v.meta.name), v.meta, num_slots);
-}
-
-// Whether every shard file of the checkpoint `m` in `dir` has the header
-// and size the manifest lists (their data is not read).
-inline void check_files(const Manifest& m, const fs::path& dir) {
-  for (const ManifestFile& f : m.files) {
-    std::uint64_t size = 0;
-    const Header h = read_header(dir / f.name, FileKind::shards, &size);
-    check_listed(dir / f.name, size, h, f, m.step);
+  for (const VariableInfo& v : variables) {
+    if (v.meta.kind == VariableKind::dynamic) check_table(m, dir / manifest_name, find_table(m, v.meta.name), v.meta, num_slots);
+    else check_variable(m, dir / manifest_name, find_variable(m, v.meta.name), v.meta, num_slots);
   }
-}
-
-// The manifest of a complete checkpoint in `dir`: it reads, it is of the
-// step its directory's name says (`step`, where given), and every shard
-// file it lists is there with its header and size. What `list()` asks of a
-// checkpoint; a restore then checks the data's CRCs too.
-inline Manifest load_complete(const fs::path& dir, std::optional<std::uint64_t> step = std::nullopt) {
-  Manifest m = load_manifest(dir);
-  if (step && m.step != *step)
-    fail(dir / manifest_name, "is of step " + std::to_string(m.step) + ", its directory's name says " +
-                                  std::to_string(*step));
-  check_files(m, dir);
-  return m;
 }
 
 }  // namespace detail
