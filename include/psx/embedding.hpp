@@ -37,6 +37,8 @@
 
 #include <psx/concepts.hpp>
 #include <psx/detail/hash.hpp>
+#include <psx/detail/persist.hpp>
+#include <psx/detail/ring.hpp>
 #include <psx/errors.hpp>
 #include <psx/storage.hpp>
 #include <psx/variable.hpp>
@@ -49,6 +51,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <mutex>
@@ -210,6 +213,23 @@ class PushSketch {
         counts_(std::make_unique<std::atomic<std::uint8_t>[]>(std::size_t{width} * depth)) {}
 
   std::uint64_t bytes() const noexcept { return (std::uint64_t{mask_} + 1) * depth_; }
+  std::uint32_t width() const noexcept { return mask_ + 1; }
+  std::uint32_t depth() const noexcept { return depth_; }
+  // Pushes counted (with a window: where it stands).
+  std::uint64_t added() const noexcept { return added_.load(std::memory_order_relaxed); }
+
+  // The counters, row after row (`bytes()` of them).
+  std::vector<std::uint8_t> counters() const {
+    std::vector<std::uint8_t> out(bytes());
+    for (std::size_t i = 0; i < out.size(); ++i) out[i] = counts_[i].load(std::memory_order_relaxed);
+    return out;
+  }
+  // Replaces the counters (`bytes()` of them, or none: all zero) and the pushes counted.
+  void assign(std::span<const std::uint8_t> counters, std::uint64_t added) noexcept {
+    for (std::size_t i = 0; i < bytes(); ++i)
+      counts_[i].store(counters.empty() ? std::uint8_t{0} : counters[i], std::memory_order_relaxed);
+    added_.store(added, std::memory_order_relaxed);
+  }
 
   // Counts one push of `id`; returns its estimate, this push included.
   unsigned add(std::uint64_t id) noexcept {
@@ -293,8 +313,7 @@ class DynamicTable {
         options_(validated(name_, dim, init, options)),
         stripes_(std::make_unique<Stripe[]>(options_.stripes)),
         stripe_shift_(64 - std::countr_zero(options.stripes)) {
-    incarnation_ = detail::mix64(std::random_device{}() ^ (static_cast<std::uint64_t>(std::random_device{}()) << 32) ^
-                                 static_cast<std::uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count()));
+    incarnation_.store(fresh_incarnation(), std::memory_order_relaxed);
     for (std::size_t k = 0; k < slots_; ++k) slot_init_.push_back(initial_slot(optimizer, k));
     detail::check_table_cap(name_, dim, slots_, options);  // before the sketch is allocated
     if (options.admission.kind == Admission::Kind::after_pushes)
@@ -483,7 +502,7 @@ class DynamicTable {
 
   //! A number drawn when the table was made: what tells its cursors from
   //! those of an earlier table of the same name.
-  std::uint64_t incarnation() const noexcept { return incarnation_; }
+  std::uint64_t incarnation() const noexcept { return incarnation_.load(std::memory_order_relaxed); }
 
   //! Every stored row (`since` empty), or the rows changed after the cursor
   //! `since` (of this table: one incarnation and version) and the ids
@@ -493,11 +512,11 @@ class DynamicTable {
   TableExport export_rows(const TableCursor& since = {}) const {
     std::optional<std::uint64_t> from;
     if (!since.empty()) {
-      if (since.version.size() != 1 || since.incarnation.size() != 1 || since.incarnation[0] != incarnation_)
+      if (since.version.size() != 1 || since.incarnation.size() != 1 || since.incarnation[0] != incarnation())
         throw checkpoint_error("psx: dynamic table '" + name_ + "': a delta from a cursor of another table (" +
                                (since.incarnation.size() == 1 ? "incarnation " + std::to_string(since.incarnation[0])
                                                                : std::to_string(since.incarnation.size()) + " incarnations") +
-                               ", this one is " + std::to_string(incarnation_) + "); take a full export");
+                               ", this one is " + std::to_string(incarnation()) + "); take a full export");
       if (since.version[0] > version())
         throw checkpoint_error("psx: dynamic table '" + name_ + "': a delta from version " +
                                std::to_string(since.version[0]) + ", beyond its version " + std::to_string(version()));
@@ -512,7 +531,7 @@ class DynamicTable {
     out.dim = dim_;
     // Read first: a change that any stripe shows later has a higher version,
     // so the next delta from this cursor has it.
-    out.cursor = {{incarnation_}, {version()}};
+    out.cursor = {{incarnation()}, {version()}};
     for (std::uint32_t s = 0; s < options_.stripes; ++s) {
       const Stripe& st = stripes_[s];
       std::shared_lock lock(st.mu);
@@ -551,6 +570,266 @@ class DynamicTable {
   }
 
  private:
+  struct Stripe;
+
+ public:
+  // -- checkpoints (psx/checkpoint.hpp saves and restores a table through these) --
+
+  //! What a checkpoint keeps of this table besides its rows and sketch
+  //! counters (`TableState::shard_version` is the server's to fill in).
+  //! Like the two below, called while no other thread changes the table:
+  //! a server saves from the one thread that updates its tables.
+  detail::TableState checkpoint_state() const {
+    auto get = [](const std::atomic<std::uint64_t>& a) { return a.load(std::memory_order_relaxed); };
+    detail::TableState s;
+    s.dim = dim_;
+    s.slots = slots_;
+    s.rows = get(rows_);
+    s.version = version();
+    s.next_sweep = get(next_sweep_);
+    s.admitted = get(admitted_);
+    s.refused = get(refused_);
+    s.evicted_ttl = get(evicted_ttl_);
+    s.evicted_memory = get(evicted_memory_);
+    if (sketch_) {
+      s.sketch_width = sketch_->width();
+      s.sketch_depth = sketch_->depth();
+      s.sketch_added = sketch_->added();
+    }
+    s.layout.reserve(std::size_t{2} * options_.stripes);
+    for (std::uint32_t k = 0; k < options_.stripes; ++k) {
+      const Stripe& st = stripes_[k];
+      std::shared_lock lock(st.mu);
+      s.layout.push_back(std::max(st.index.size(), st.reserved_index));
+      s.layout.push_back(std::max(st.chunks.size(), st.reserved_chunks));
+    }
+    return s;
+  }
+
+  //! The admission sketch's counters, row after row (none without one).
+  std::vector<std::uint8_t> checkpoint_sketch() const { return sketch_ ? sketch_->counters() : std::vector<std::uint8_t>{}; }
+
+  //! Calls `sink` with every stored row as a checkpoint holds it
+  //! (`detail::table_row_bytes`: id, last update, last use, the row and its
+  //! slots), whole rows in blocks of up to 4 MiB, each copied under its
+  //! stripe's lock and handed over after it is let go.
+  void checkpoint_rows(const std::function<void(std::span<const std::byte>)>& sink) const {
+    const std::size_t row = detail::table_row_bytes(dim_, slots_);
+    const std::size_t block = std::max<std::size_t>(row, std::size_t{4} << 20);
+    std::vector<std::byte> buf;
+    buf.reserve(block);
+    for (std::uint32_t k = 0; k < options_.stripes; ++k) {
+      const Stripe& st = stripes_[k];
+      // Several blocks of one stripe: its index cannot change in between,
+      // the server's one updating thread being the one saving.
+      for (std::size_t i = 0, end = 1; i < end;) {
+        buf.clear();
+        {
+          std::shared_lock lock(st.mu);
+          end = st.index.size();
+          for (; i < end && buf.size() + row <= block; ++i) {
+            const Entry& e = st.index[i];
+            if (e.slot == empty_slot) continue;
+            const RowMeta& m = meta(st, e.slot);
+            const std::uint64_t head[3] = {e.key, m.updated, m.used.load(std::memory_order_relaxed)};
+            const std::size_t at = buf.size();
+            buf.resize(at + row);
+            std::memcpy(buf.data() + at, head, sizeof head);
+            std::memcpy(buf.data() + at + sizeof head, record(st, e.slot), record_floats_ * sizeof(float));
+          }
+        }
+        if (!buf.empty()) sink(buf);
+      }
+    }
+  }
+
+  //! Takes the saved parts of a table while a checkpoint is read, for
+  //! server `server` of the ring `ring` (the table's, which must outlive
+  //! it): the rows the ring gives that server, in stripes of its own, and
+  //! the counters, sketch and sweep merged over the parts; the table does
+  //! not change until `adopt`. Parts merge so that nothing is lost:
+  //!  - the table's version, its shard's update count and the sketch's
+  //!    pushes counted: the largest of the parts'; the next sweep: the
+  //!    earliest; the counters of saved server k go to server k mod the
+  //!    servers now (their sums stay what they were);
+  //!  - a count-min sketch cannot be split by id: each server takes the
+  //!    largest of every part's counter in each cell, so no id's count goes
+  //!    down (an id may count higher, as if every part's pushes had gone to
+  //!    one sketch). A sketch of another width or depth than this table's
+  //!    is left out (the restored sketch starts from zero);
+  //!  - from one part (the ring the saved one), each stripe counts the
+  //!    memory it counted when saved (it then grows and evicts as the saved
+  //!    one would); otherwise what its rows take. A stripe over its share
+  //!    of the memory cap refuses the restore (`finish`).
+  class Restorer final : public detail::TableLoader {
+   public:
+    Restorer(const DynamicTable& table, const detail::HashRing& ring, std::size_t server)
+        : table_(&table),
+          ring_(&ring),
+          server_(server),
+          stripes_(std::make_unique<Stripe[]>(table.options_.stripes)),
+          incarnation_(fresh_incarnation()) {
+      for (std::uint32_t k = 0; k < table.options_.stripes; ++k) stripes_[k].index.assign(16, Entry{});
+    }
+
+    void begin_part(std::size_t server, std::size_t servers, std::uint32_t virtual_nodes,
+                    const detail::TableState& s) override {
+      const DynamicTable& t = *table_;
+      part_ = server;
+      part_ok_ = s.dim == t.dim_ && s.slots == t.slots_;
+      if (!part_ok_ && damage_.second.empty())
+        damage_ = {server, "dynamic table '" + t.name_ + "': rows of " + std::to_string(s.dim) + " floats and " +
+                               std::to_string(s.slots) + " slots, this program's " + std::to_string(t.dim_) +
+                               " and " + std::to_string(t.slots_)};
+      ++parts_;
+      shard_version_ = std::max(shard_version_, s.shard_version);
+      version_ = std::max(version_, s.version);
+      next_sweep_ = parts_ == 1 ? s.next_sweep : std::min(next_sweep_, s.next_sweep);
+      if (server % std::max<std::size_t>(1, ring_->servers()) == server_) {
+        admitted_ += s.admitted;
+        refused_ += s.refused;
+        evicted_ttl_ += s.evicted_ttl;
+        evicted_memory_ += s.evicted_memory;
+      }
+      sketch_part_ = t.sketch_ && s.sketch_width == t.sketch_->width() && s.sketch_depth == t.sketch_->depth();
+      if (sketch_part_) sketch_added_ = std::max(sketch_added_, s.sketch_added);
+      // The memory as saved: only where this server's rows are one saved
+      // server's, in stripes alike.
+      whole_ = parts_ == 1 && servers == ring_->servers() && virtual_nodes == t.options_.virtual_nodes &&
+               server == server_ && s.layout.size() == std::size_t{2} * t.options_.stripes;
+      if (whole_) layout_ = s.layout;
+    }
+
+    void add_rows(std::span<const std::byte> rows) override {
+      const DynamicTable& t = *table_;
+      const std::size_t row = detail::table_row_bytes(t.dim_, t.slots_);
+      if (!part_ok_) return;
+      for (std::size_t at = 0; at + row <= rows.size(); at += row) {
+        std::uint64_t head[3];
+        std::memcpy(head, rows.data() + at, sizeof head);
+        if (ring_->servers() > 1 && ring_->server(head[0]) != server_) continue;
+        const std::uint64_t h = hash(head[0]);
+        Stripe& st = stripes_[t.stripe_of(h)];
+        if (find(st, head[0], h) != empty_slot) {
+          if (damage_.second.empty())
+            damage_ = {part_, "dynamic table '" + t.name_ + "': id " + std::to_string(head[0]) +
+                                  " is saved twice (again in server " + std::to_string(part_) + "'s rows)"};
+          continue;
+        }
+        if ((st.count + 1) * 4 > st.index.size() * 3) grow_index(st);
+        if (st.free.empty()) t.add_chunk(st);
+        const std::uint32_t slot = take_slot(st, head[0], h);
+        RowMeta& m = t.meta(st, slot);
+        m.version = 0;  // no delta reaches back before a restore (a new incarnation)
+        m.updated = head[1];
+        m.used.store(head[2], std::memory_order_relaxed);
+        std::memcpy(t.record(st, slot), rows.data() + at + sizeof head, t.record_floats_ * sizeof(float));
+        ++rows_;
+      }
+    }
+
+    void add_sketch(std::uint64_t offset, std::span<const std::byte> counters) override {
+      if (!sketch_part_) return;
+      if (sketch_.empty()) sketch_.assign(table_->sketch_->bytes(), 0);
+      for (std::size_t i = 0; i < counters.size() && offset + i < sketch_.size(); ++i)
+        sketch_[offset + i] = std::max(sketch_[offset + i], static_cast<std::uint8_t>(counters[i]));
+    }
+
+    std::pair<std::size_t, std::string> damage() const override { return damage_; }
+
+    void finish() override {
+      const DynamicTable& t = *table_;
+      for (std::uint32_t k = 0; k < t.options_.stripes && damage_.second.empty(); ++k) {
+        Stripe& st = stripes_[k];
+        st.reserved_index = st.index.size();
+        st.reserved_chunks = st.chunks.size();
+        if (whole_) {
+          const std::uint64_t entries = layout_[2 * k], chunks = layout_[2 * k + 1];
+          if (!std::has_single_bit(entries) || entries < st.index.size() || chunks < st.chunks.size() ||
+              entries > (std::uint64_t{1} << 34) || chunks > (std::uint64_t{1} << 32)) {
+            damage_ = {server_, "dynamic table '" + t.name_ + "': stripe " + std::to_string(k) + " counts " +
+                                    std::to_string(entries) + " index entries and " + std::to_string(chunks) +
+                                    " chunks, too few for its " + std::to_string(st.count) + " rows"};
+            return;
+          }
+          const std::uint64_t saved = entries * sizeof(Entry) + chunks * t.chunk_bytes_;
+          if (t.stripe_budget_ == 0 || saved <= t.stripe_budget_) {  // else what its rows take, if that fits
+            st.reserved_index = entries;
+            st.reserved_chunks = chunks;
+          }
+        }
+        st.bytes = st.reserved_index * sizeof(Entry) + st.reserved_chunks * t.chunk_bytes_;
+        if (t.stripe_budget_ != 0 && st.bytes > t.stripe_budget_)
+          throw checkpoint_error("psx: dynamic table '" + t.name_ + "' on server " + std::to_string(server_) +
+                                 ": its restored rows need " + std::to_string(st.bytes) + " bytes in stripe " +
+                                 std::to_string(k) + ", over the stripe's share (" + std::to_string(t.stripe_budget_) +
+                                 ") of memory_cap_bytes " + std::to_string(t.options_.memory_cap_bytes) +
+                                 "; raise memory_cap_bytes or restore into more servers");
+      }
+    }
+
+    //! The saved shard's update count (the largest of the parts').
+    std::uint64_t shard_version() const noexcept { return shard_version_; }
+
+   private:
+    friend class DynamicTable;
+    const DynamicTable* table_;
+    const detail::HashRing* ring_;
+    std::size_t server_;
+    std::unique_ptr<Stripe[]> stripes_;
+    std::uint64_t incarnation_;
+    std::size_t parts_ = 0, part_ = 0;
+    bool part_ok_ = false, sketch_part_ = false, whole_ = false;
+    std::vector<std::uint64_t> layout_;
+    std::vector<std::uint8_t> sketch_;
+    std::uint64_t rows_ = 0, shard_version_ = 0, version_ = 0, next_sweep_ = 0, sketch_added_ = 0;
+    std::uint64_t admitted_ = 0, refused_ = 0, evicted_ttl_ = 0, evicted_memory_ = 0;
+    std::pair<std::size_t, std::string> damage_;
+  };
+
+  //! Replaces the table by what `r` (this table's Restorer, finished)
+  //! took: rows, counters, sketch, sweep, and a new incarnation (every
+  //! cursor of before is refused: take a full export after a restore).
+  //! Each stripe is swapped under its lock; exports and stats called
+  //! meanwhile see the table before or after, stripe by stripe.
+  void adopt(Restorer& r) noexcept {
+    std::uint64_t bytes = sketch_ ? sketch_->bytes() : 0;
+    for (std::uint32_t k = 0; k < options_.stripes; ++k) {
+      Stripe& st = stripes_[k];
+      Stripe& in = r.stripes_[k];
+      std::unique_lock lock(st.mu);
+      st.index.swap(in.index);
+      std::swap(st.count, in.count);
+      st.chunks.swap(in.chunks);
+      st.free.swap(in.free);
+      std::swap(st.bytes, in.bytes);
+      std::swap(st.reserved_index, in.reserved_index);
+      std::swap(st.reserved_chunks, in.reserved_chunks);
+      st.removed.swap(in.removed);  // the restorer's is empty
+      st.removed_floor = 0;
+      ++st.erasures;
+      bytes += st.bytes;
+    }
+    if (sketch_) sketch_->assign(r.sketch_, r.sketch_added_);
+    auto set = [](std::atomic<std::uint64_t>& a, std::uint64_t v) { a.store(v, std::memory_order_relaxed); };
+    set(rows_, r.rows_);
+    set(bytes_, bytes);
+    set(admitted_, r.admitted_);
+    set(refused_, r.refused_);
+    set(evicted_ttl_, r.evicted_ttl_);
+    set(evicted_memory_, r.evicted_memory_);
+    set(removals_, 0);
+    set(next_sweep_, r.next_sweep_);
+    version_.store(r.version_, std::memory_order_release);
+    incarnation_.store(r.incarnation_, std::memory_order_relaxed);
+  }
+
+ private:
+  static std::uint64_t fresh_incarnation() {
+    return detail::mix64(std::random_device{}() ^ (static_cast<std::uint64_t>(std::random_device{}()) << 32) ^
+                         static_cast<std::uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count()));
+  }
+
   static constexpr std::uint32_t empty_slot = 0xffffffffu;
   // Ids looked up together (find_window): enough misses in flight to hide
   // the memory latency (64-256 measured alike, 16 slower), few enough
@@ -579,6 +858,12 @@ class DynamicTable {
     std::unordered_map<std::uint64_t, std::uint64_t> removed;  // id -> version of its removal
     std::uint64_t removed_floor = 0;  // removals up to this version are forgotten
     std::uint64_t erasures = 0;       // rows erased so far (a record freed may be taken by another id)
+    // Index entries and chunks whose memory `bytes` counts, allocated or
+    // not: a restored stripe counts what it held when it was saved (so it
+    // grows and evicts from then on as the saved one would) and allocates
+    // it as rows come (Restorer).
+    std::size_t reserved_index = 0;
+    std::size_t reserved_chunks = 0;
   };
 
   // One stored id's update (under its stripe's lock), admitting it first when it is not stored.
@@ -788,13 +1073,34 @@ class DynamicTable {
   // the stripe's least recently used rows where the cap allows no growth.
   std::uint32_t insert(Stripe& st, std::uint64_t id, std::uint64_t h) {
     if ((st.count + 1) * 4 > st.index.size() * 3) {
-      if (fits(st, st.index.size() * sizeof(Entry))) grow_index(st);
-      else evict_lru(st);
+      const std::uint64_t more = st.index.size() * sizeof(Entry);
+      if (st.index.size() < st.reserved_index) {
+        grow_index(st);  // counted already
+      } else if (fits(st, more)) {
+        grow_index(st);
+        add_bytes(st, more);
+      } else {
+        evict_lru(st);
+      }
     }
     if (st.free.empty()) {
-      if (fits(st, chunk_bytes_)) add_chunk(st);
-      else evict_lru(st);
+      if (st.chunks.size() < st.reserved_chunks) {
+        add_chunk(st);  // counted already
+      } else if (fits(st, chunk_bytes_)) {
+        add_chunk(st);
+        add_bytes(st, chunk_bytes_);
+      } else {
+        evict_lru(st);
+      }
     }
+    const std::uint32_t slot = take_slot(st, id, h);
+    rows_.fetch_add(1, std::memory_order_relaxed);
+    return slot;
+  }
+
+  // A free record slot of `st` (there is one) and an index entry for `id`
+  // (not stored; the index has room).
+  static std::uint32_t take_slot(Stripe& st, std::uint64_t id, std::uint64_t h) noexcept {
     const std::uint32_t slot = st.free.back();
     st.free.pop_back();
     const std::size_t mask = st.index.size() - 1;
@@ -802,11 +1108,11 @@ class DynamicTable {
     while (st.index[i].slot != empty_slot) i = (i + 1) & mask;
     st.index[i] = Entry{id, slot};
     ++st.count;
-    rows_.fetch_add(1, std::memory_order_relaxed);
     return slot;
   }
 
-  void grow_index(Stripe& st) {
+  // Doubles the index (the caller counts its memory).
+  static void grow_index(Stripe& st) {
     std::vector<Entry> bigger(st.index.size() * 2);
     const std::size_t mask = bigger.size() - 1;
     for (const Entry& e : st.index) {
@@ -815,11 +1121,11 @@ class DynamicTable {
       while (bigger[i].slot != empty_slot) i = (i + 1) & mask;
       bigger[i] = e;
     }
-    add_bytes(st, st.index.size() * sizeof(Entry));
     st.index.swap(bigger);
   }
 
-  void add_chunk(Stripe& st) {
+  // One more chunk of free records (the caller counts its memory).
+  void add_chunk(Stripe& st) const {
     const auto first = static_cast<std::uint64_t>(st.chunks.size()) * chunk_rows_;
     if (first + chunk_rows_ > empty_slot)
       throw std::length_error("psx: dynamic table '" + name_ + "': more than 2^32 - 1 rows in one stripe");
@@ -828,7 +1134,6 @@ class DynamicTable {
     for (std::uint32_t k = 0; k < chunk_rows_; ++k)
       new (st.chunks.back().get() + std::size_t{k} * stride_) RowMeta{};
     for (std::uint32_t k = chunk_rows_; k-- > 0;) st.free.push_back(static_cast<std::uint32_t>(first + k));
-    add_bytes(st, chunk_bytes_);
   }
 
   // Removes a sixteenth of the stripe's rows (at least one), least recently
@@ -953,7 +1258,7 @@ class DynamicTable {
   std::uint64_t sweep_every_ = 1;
   std::atomic<std::uint64_t> next_sweep_{0};
   std::atomic<std::uint64_t> version_{0};
-  std::uint64_t incarnation_ = 0;
+  std::atomic<std::uint64_t> incarnation_{0};  // replaced by a restore (adopt), read by exports meanwhile
   std::atomic<std::uint64_t> rows_{0}, bytes_{0}, admitted_{0}, refused_{0}, evicted_ttl_{0}, evicted_memory_{0},
       removals_{0};
 };

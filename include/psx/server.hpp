@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <cstring>
 #include <deque>
+#include <functional>
 #include <limits>
 #include <map>
 #include <memory>
@@ -248,6 +249,9 @@ class Server final : public RequestHandler {
     std::uint64_t step = 0;
     std::vector<ShardState*> held;
     std::vector<detail::RestoredShard> shards;
+    std::vector<ShardState*> held_tables;
+    std::vector<std::unique_ptr<typename DynamicTable<O>::Restorer>> restorers;
+    std::vector<detail::RestoredTable> tables;
   };
 
   std::unique_ptr<ShardState> make_shard(const VariableInfo& v, std::size_t k) const {
@@ -443,8 +447,9 @@ class Server final : public RequestHandler {
     r.finish();  // last: an error above finishes the request once, in handle()
   }
 
-  // Writes every shard this server holds, with its optimizer slots, into
-  // the checkpoint directory `r.reason` (psx/checkpoint.hpp's format).
+  // Writes every shard this server holds, with its optimizer slots, and
+  // its part of every dynamic table into the checkpoint directory
+  // `r.reason` (psx/checkpoint.hpp's format).
   void save(const Request& r) {
     // An empty path would write the shard into the server's working directory.
     if (r.reason.empty()) throw wire_error("psx: " + where(r) + ": a save request names no checkpoint directory");
@@ -454,12 +459,21 @@ class Server final : public RequestHandler {
                          ": asked to save a checkpoint, but this program does not include psx/checkpoint.hpp");
     const std::size_t num_slots = optimizer_.slots();
     std::vector<detail::SavedShard> out;
+    std::vector<detail::SavedTable> tables;
     std::deque<std::vector<float>> staged;  // state copied out of storage that is not in host memory (stable addresses)
     for (auto& per_variable : shards_)
       for (std::size_t k = 0; k < per_variable.size(); ++k) {
         if (!per_variable[k]) continue;
         ShardState& s = *per_variable[k];
-        if (s.table) refuse_checkpoint(s, "save");
+        if (s.table) {
+          detail::SavedTable t{s.var, s.table->checkpoint_state(), s.table->checkpoint_sketch(), {}};
+          t.state.shard_version = s.version;
+          t.rows = [table = s.table.get()](const std::function<void(std::span<const std::byte>)>& sink) {
+            table->checkpoint_rows(sink);
+          };
+          tables.push_back(std::move(t));
+          continue;
+        }
         detail::SavedShard v{s.var, static_cast<std::uint32_t>(k), s.version, {}, {}};
         if constexpr (requires { s.data.values(); s.data.slot_values(std::size_t{}); }) {
           v.params = s.data.values();
@@ -477,7 +491,7 @@ class Server final : public RequestHandler {
         }
         out.push_back(std::move(v));
       }
-    hooks.save({r.reason, r.clock, index_}, out);
+    hooks.save({r.reason, r.clock, index_}, out, tables);
   }
 
   // A restore in two phases, so that it changes nothing anywhere unless
@@ -504,12 +518,16 @@ class Server final : public RequestHandler {
       const std::size_t num_slots = optimizer_.slots();
       for (auto& per_variable : shards_)
         for (std::size_t k = 0; k < per_variable.size(); ++k)
-          if (per_variable[k]) {
-            if (per_variable[k]->table) refuse_checkpoint(*per_variable[k], "restore");
-            staged->held.push_back(per_variable[k].get());
-            staged->shards.push_back({per_variable[k]->var, static_cast<std::uint32_t>(k), num_slots, {}, {}, 0});
+          if (ShardState* s = per_variable[k].get(); s && s->table) {
+            staged->held_tables.push_back(s);
+            staged->restorers.push_back(
+                std::make_unique<typename DynamicTable<O>::Restorer>(*s->table, s->var->ring, index_));
+            staged->tables.push_back({s->var, index_, staged->restorers.back().get()});
+          } else if (s) {
+            staged->held.push_back(s);
+            staged->shards.push_back({s->var, static_cast<std::uint32_t>(k), num_slots, {}, {}, 0});
           }
-      staged->step = hooks.restore({r.reason, r.clock, index_}, staged->shards);
+      staged->step = hooks.restore({r.reason, r.clock, index_}, staged->shards, staged->tables);
       for (std::size_t i = 0; i < staged->held.size(); ++i) {
         const auto& t = staged->shards[i];
         if (t.params.size() != staged->held[i]->data.size() || t.slots.size() != num_slots * t.params.size())
@@ -521,12 +539,6 @@ class Server final : public RequestHandler {
     }
   }
 
-  [[noreturn]] void refuse_checkpoint(const ShardState& s, const char* verb) const {
-    throw checkpoint_error("psx: server " + std::to_string(index_) + ": cannot " + verb + " a checkpoint of '" +
-                           s.var->meta.name + "', a dynamic table: checkpoints hold fixed-size variables; keep a "
-                           "dynamic table with ParameterServer::export_table (full export, then deltas)");
-  }
-
   void commit_restore(std::uint64_t step) {
     if (!staged_ || staged_->step != step)
       throw checkpoint_error("psx: server " + std::to_string(index_) + ": asked to commit the restore of step " +
@@ -534,13 +546,8 @@ class Server final : public RequestHandler {
                              (staged_ ? "read step " + std::to_string(staged_->step) : std::string("read none")));
     if constexpr (requires(std::span<const float> a) { std::declval<ShardState&>().data.assign(a, a); }) {
       const auto staged = std::move(staged_);
-      for (std::size_t i = 0; i < staged->held.size(); ++i) {
-        ShardState& s = *staged->held[i];
-        if constexpr (requires { s.data.adopt(staged->shards[i].params, staged->shards[i].slots); })
-          s.data.adopt(staged->shards[i].params, staged->shards[i].slots);
-        else
-          s.data.assign(staged->shards[i].params, staged->shards[i].slots);
-        s.version = staged->shards[i].version;
+      auto restart = [&](ShardState& s, std::uint64_t version) {
+        s.version = version;
         s.applied_steps = step;
         s.pending.clear();
         s.workers.assign(clocks_.size(), WorkerView{});
@@ -548,6 +555,19 @@ class Server final : public RequestHandler {
           wv.pulled_version = s.version;
           wv.pulled_step = step;
         }
+      };
+      for (std::size_t i = 0; i < staged->held.size(); ++i) {
+        ShardState& s = *staged->held[i];
+        if constexpr (requires { s.data.adopt(staged->shards[i].params, staged->shards[i].slots); })
+          s.data.adopt(staged->shards[i].params, staged->shards[i].slots);
+        else
+          s.data.assign(staged->shards[i].params, staged->shards[i].slots);
+        restart(s, staged->shards[i].version);
+      }
+      for (std::size_t i = 0; i < staged->held_tables.size(); ++i) {
+        ShardState& s = *staged->held_tables[i];
+        s.table->adopt(*staged->restorers[i]);
+        restart(s, staged->restorers[i]->shard_version());
       }
       std::fill(clocks_.begin(), clocks_.end(), step);
       recount();

@@ -11,7 +11,9 @@
 //  - end to end, when the envelope and its parser accept the bytes: put in
 //    a checkpoint next to the real files of a small one (the manifest, or
 //    server s's shard file with the manifest listing it), each variable is
-//    read back with load_variable (read_shards: the copies out of the files).
+//    read back with load_variable (read_shards: the copies out of the files)
+//    and each dynamic table with load_table (its rows and sketch streamed
+//    out of every server's file).
 // Whatever a reader accepts is checked again here (an index's shards lie in
 // the data part, a manifest's shards tile its rows, a variable has the size
 // its manifest gives); a violation, or any other exception, prints the
@@ -129,9 +131,27 @@ void guarded(const char* reader, F&& f, const fs::path& file = kPath) {
 
 bool mul(std::uint64_t a, std::uint64_t b, std::uint64_t& out) { return !__builtin_mul_overflow(a, b, &out); }
 
-// What decode_index returns must describe shards that lie in the data part.
-void check_index(const std::vector<cd::IndexRecord>& records, std::uint64_t data_bytes) {
-  for (const cd::IndexRecord& r : records) {
+// What decode_index returns must describe shards and table parts that lie in the data part.
+void check_index(const cd::Index& index, std::uint64_t data_bytes) {
+  for (const cd::TableRecord& t : index.tables) {
+    const std::string what = "decode_index accepted dynamic table '" + t.variable + "' of " +
+                             std::to_string(t.state.rows) + " rows of " + std::to_string(t.state.dim) + " floats and " +
+                             std::to_string(t.state.slots) + " slots at offset " + std::to_string(t.rows_offset) +
+                             ", a sketch of " + std::to_string(t.state.sketch_width) + " x " +
+                             std::to_string(t.state.sketch_depth) + " at " + std::to_string(t.sketch_offset) +
+                             ", in a " + std::to_string(data_bytes) + "-byte data part";
+    std::uint64_t rows = 0, sketch = 0;
+    if (t.state.dim == 0 || t.state.dim > (1u << 20) || t.state.slots > 64 || t.state.layout.empty() ||
+        t.state.layout.size() % 2 != 0)
+      bug(what + ": impossible rows or layout");
+    if (!mul(t.state.rows, psx::detail::table_row_bytes(t.state.dim, t.state.slots), rows) || t.rows_offset > data_bytes ||
+        rows > data_bytes - t.rows_offset)
+      bug(what + ": its rows do not fit in the data part");
+    if (!mul(t.state.sketch_width, t.state.sketch_depth, sketch) || t.sketch_offset > data_bytes ||
+        sketch > data_bytes - t.sketch_offset)
+      bug(what + ": its sketch does not fit in the data part");
+  }
+  for (const cd::IndexRecord& r : index.shards) {
     const std::string what = "decode_index accepted shard " + std::to_string(r.shard) + " rows [" +
                              std::to_string(r.row_begin) + ", " + std::to_string(r.row_end) + ") x " +
                              std::to_string(r.width) + " floats, " + std::to_string(r.slots) + " slots, at offset " +
@@ -224,14 +244,18 @@ Bytes manifest_file(const psx::checkpoint::Manifest& m) {
 }
 
 // A small checkpoint written by the writers: two servers, Adam's two slots,
-// the three kinds of variable. The seeds are its files and their parts; the
-// end-to-end reads put an input among them in `scratch`.
+// the three kinds of variable and a dynamic table "t" (rows of 3 floats,
+// an admission sketch of 8 x 2 counters) with rows in both servers' files.
+// The seeds are its files and their parts; the end-to-end reads put an
+// input among them in `scratch`.
 struct Fixture {
   fs::path scratch;
   psx::checkpoint::Manifest manifest;
   std::vector<Bytes> servers;                   // server s's shard file
   Bytes model;                                  // an export's model.psx
   std::vector<std::vector<std::string>> names;  // the variables of server s's shards, in its index
+  std::vector<std::vector<std::size_t>> layouts;  // the layout sizes of server s's table parts, in its index
+  static constexpr std::size_t kTableDim = 3;
 
   Fixture() {
     const fs::path dir = fs::temp_directory_path() / ("psx-checkpoint-fuzz-" + std::to_string(::getpid()));
@@ -264,6 +288,40 @@ struct Fixture {
     };
     const std::vector<std::vector<psx::detail::SavedShard>> on = {{saved(0, 0), saved(1, 1), saved(2, 0)},
                                                                   {saved(0, 1), saved(1, 0)}};
+    psx::VariableInfo table = info("t", {kTableDim}, psx::VariableKind::dynamic, psx::DType::float32, {});
+    table.meta.rows = 0;
+    table.meta.row_width = kTableDim;
+    // Server s's part: 2 + s rows (ids 100 s + k), 2 stripes, a sketch of 8 x 2.
+    auto table_part = [&](std::size_t s) {
+      psx::detail::SavedTable t;
+      t.variable = &table;
+      t.state.dim = kTableDim;
+      t.state.slots = 2;
+      t.state.rows = 2 + s;
+      t.state.shard_version = 5 + s;
+      t.state.version = 9 + s;
+      t.state.next_sweep = 4;
+      t.state.admitted = 3 + s;
+      t.state.refused = 1;
+      t.state.sketch_width = 8;
+      t.state.sketch_depth = 2;
+      t.state.sketch_added = 6;
+      t.state.layout = {16, 1, 16, 1};
+      for (std::size_t i = 0; i < 16; ++i) t.sketch.push_back(static_cast<std::uint8_t>((i * 7 + s) % 5));
+      t.rows = [s](const std::function<void(std::span<const std::byte>)>& sink) {
+        for (std::uint64_t k = 0; k < 2 + s; ++k) {
+          std::vector<std::byte> row(psx::detail::table_row_bytes(kTableDim, 2));
+          const std::uint64_t head[3] = {100 * s + k, k + 1, k + 2};
+          std::memcpy(row.data(), head, sizeof head);
+          for (std::size_t i = 0; i < kTableDim * 3; ++i) {
+            const float x = static_cast<float>(k * 10 + i) * 0.5f;
+            std::memcpy(row.data() + sizeof head + i * sizeof(float), &x, sizeof x);
+          }
+          sink(row);
+        }
+      };
+      return t;
+    };
     manifest.step = kStep;
     manifest.created_unix = 1700000000;
     manifest.num_servers = on.size();
@@ -273,7 +331,9 @@ struct Fixture {
     manifest.optimizer = "Adam{lr=0.01, beta1=0.9, beta2=0.999, eps=1e-08, weight_decay=0}";
     manifest.optimizer_slots = 2;
     for (std::size_t s = 0; s < on.size(); ++s) {
-      cd::write_server_file({dir.string(), kStep, s}, on[s]);
+      const std::vector<psx::detail::SavedTable> tables = {table_part(s)};
+      cd::write_server_file({dir.string(), kStep, s}, on[s], tables);
+      layouts.push_back({tables[0].state.layout.size()});
       const std::string name = cd::server_file_name(s);
       servers.push_back(read_all(dir / name));
       const auto h = cd::decode_header(servers.back(), servers.back().size(), cd::FileKind::shards, name);
@@ -305,6 +365,7 @@ struct Fixture {
       for (const auto& sh : v.shards) mv.shards.push_back({sh.server, sh.row_begin, sh.row_end});
       manifest.variables.push_back(std::move(mv));
     }
+    manifest.tables.push_back({"t", kTableDim, psx::TableOptions{.admission = psx::Admission::after_pushes(2, 8, 2), .stripes = 2}});
   }
   ~Fixture() {
     std::error_code ec;
@@ -315,6 +376,27 @@ struct Fixture {
 const Fixture& fixture() {
   static const Fixture f;
   return f;
+}
+
+// Reads every dynamic table of the checkpoint in the scratch directory.
+void load_tables(const psx::checkpoint::Manifest& m) {
+  const fs::path& dir = fixture().scratch;
+  for (std::size_t k = 0; k < std::min<std::size_t>(m.tables.size(), 2); ++k)
+    guarded("load_table (end to end)", [&] {
+      const psx::checkpoint::Table t = psx::checkpoint::load_table(dir, m.tables[k].name);
+      const std::size_t n = t.ids.size();
+      std::uint64_t floats = 0, slots = 0;
+      if (!mul(n, t.meta.dim, floats) || t.values.size() != floats || !mul(floats, t.num_slots, slots) ||
+          t.slots.size() != slots || t.updated.size() != n || t.used.size() != n || t.server.size() != n)
+        bug("load_table returned '" + t.meta.name + "' with " + std::to_string(n) + " ids, " +
+            std::to_string(t.values.size()) + " values and " + std::to_string(t.slots.size()) +
+            " slot floats, not rows of its dim and slots");
+      for (std::size_t i = 1; i < n; ++i)
+        if (t.ids[i - 1] >= t.ids[i]) bug("load_table returned ids out of order, or one twice");
+      for (const auto& part : t.parts)
+        if (part.sketch.size() != std::uint64_t{part.state.sketch_width} * part.state.sketch_depth)
+          bug("load_table returned a sketch of another size than its width and depth");
+    }, dir);
 }
 
 // Reads every variable of the checkpoint in the scratch directory.
@@ -339,6 +421,7 @@ void end_to_end_manifest(std::span<const std::byte> in, const psx::checkpoint::M
   std::vector<std::string> names;
   for (const auto& v : m.variables) names.push_back(v.name);
   load_variables(names);
+  load_tables(m);
 }
 
 // The input, accepted as server s's shard file, with the fixture's other
@@ -355,6 +438,7 @@ void end_to_end_shards(std::span<const std::byte> in, const cd::Header& h) {
   std::vector<std::string> names;
   for (const auto& v : m.variables) names.push_back(v.name);
   load_variables(names);
+  load_tables(m);
 }
 
 // What decode_model returns must be tensors whose bytes fit their shapes.
@@ -393,7 +477,7 @@ void run_one(std::span<const std::byte> in) {
         });
       else
         guarded("decode_index (after verify_bytes)", [&] {
-          check_index(cd::decode_index(v.meta, v.header.data_bytes, v.header.server, kPath), v.header.data_bytes);
+          check_index(cd::decode_index(v.meta, v.header.data_bytes, v.header.server, kPath, v.header.version), v.header.data_bytes);
           end_to_end_shards(in, v.header);
         });
     });
@@ -455,16 +539,41 @@ struct Seed {
   std::vector<std::size_t> u32_fields;
 };
 
-// The 64-bit fields of an index as encode_index writes it: an endianness
-// byte, the server (u32), the count (u64), then per shard a name (u64
-// length and bytes) and seven u64.
-std::vector<std::size_t> index_fields(const std::vector<cd::IndexRecord>& records, std::size_t base) {
-  std::vector<std::size_t> out{base + 5};
+// The 64-bit and 32-bit fields of an index as encode_index writes it: an
+// endianness byte, the server (u32), the count (u64), then per shard a name
+// (u64 length and bytes) and seven u64; then the count of tables (u64) and
+// per table a name, ten u64, two u32 (the sketch's width and depth), two
+// u64, a u32 (the rows' CRC), a u64, a u32 (the sketch's CRC), and the
+// layout: a u64 count and as many u64.
+struct Fields {
+  std::vector<std::size_t> u64s, u32s;
+};
+Fields index_fields(const std::vector<std::string>& shards, const std::vector<std::pair<std::string, std::size_t>>& tables,
+                    std::size_t base) {
+  Fields out{{base + 5}, {base + 1}};
   std::size_t at = base + 13;
-  for (const auto& r : records) {
-    out.push_back(at);
-    at += 8 + r.variable.size();
-    for (int k = 0; k < 7; ++k, at += 8) out.push_back(at);
+  auto u64 = [&](int n) {
+    for (int k = 0; k < n; ++k, at += 8) out.u64s.push_back(at);
+  };
+  auto u32 = [&](int n) {
+    for (int k = 0; k < n; ++k, at += 4) out.u32s.push_back(at);
+  };
+  for (const auto& name : shards) {
+    out.u64s.push_back(at);
+    at += 8 + name.size();
+    u64(7);
+  }
+  u64(1);
+  for (const auto& [name, layout] : tables) {
+    out.u64s.push_back(at);
+    at += 8 + name.size();
+    u64(10);
+    u32(2);
+    u64(2);
+    u32(1);
+    u64(1);
+    u32(1);
+    u64(1 + static_cast<int>(layout));
   }
   return out;
 }
@@ -500,16 +609,17 @@ std::vector<Seed> seeds() {
   std::vector<Seed> out;
   for (std::size_t s = 0; s < f.servers.size(); ++s) {
     const Bytes& file = f.servers[s];
-    std::vector<cd::IndexRecord> records;  // names only: for the offsets
-    for (const auto& n : f.names[s]) records.push_back({n, 0, 0, 0, 0, 0, 0, 0});
+    const std::vector<std::pair<std::string, std::size_t>> tables = {{"t", f.layouts[s][0]}};
     const std::uint64_t meta = get<std::uint64_t>(file, 24);
     Seed whole{cd::server_file_name(s), SeedKind::shard_file, file, {24, 32}, {8, 12, 48}};
-    const auto fields = index_fields(records, cd::header_bytes);
-    whole.u64_fields.insert(whole.u64_fields.end(), fields.begin(), fields.end());
+    const Fields fields = index_fields(f.names[s], tables, cd::header_bytes);
+    whole.u64_fields.insert(whole.u64_fields.end(), fields.u64s.begin(), fields.u64s.end());
+    whole.u32_fields.insert(whole.u32_fields.end(), fields.u32s.begin(), fields.u32s.end());
     out.push_back(std::move(whole));
+    const Fields alone = index_fields(f.names[s], tables, 0);
     out.push_back({cd::server_file_name(s) + " index", SeedKind::index,
                    Bytes(file.begin() + cd::header_bytes, file.begin() + static_cast<std::ptrdiff_t>(cd::header_bytes + meta)),
-                   index_fields(records, 0), {1}});
+                   alone.u64s, alone.u32s});
   }
   const Bytes manifest = manifest_file(f.manifest);
   out.push_back({cd::manifest_name, SeedKind::manifest_file, manifest, {16, 24, 32}, {8, 12}});
@@ -524,12 +634,29 @@ std::vector<Seed> regressions() {
   std::vector<Seed> out;
   // A shard of 2^60 floats and 15 slots: (slots + 1) * floats * 4 wraps to 0,
   // which "fits" in any data part.
-  std::vector<cd::IndexRecord> wrap{{"v", 0, 0, std::uint64_t{1} << 60, 1, 15, kStep, 0}};
+  cd::Index wrap{{{"v", 0, 0, std::uint64_t{1} << 60, 1, 15, kStep, 0}}, {}};
   out.push_back({"index: a shard size that overflows 64 bits", SeedKind::index, bytes_of(cd::encode_index(0, wrap)), {}, {}});
   // A name as long as the limit, and one byte longer.
   for (const std::size_t n : {cd::max_name_bytes, cd::max_name_bytes + 1}) {
-    std::vector<cd::IndexRecord> named{{std::string(n, 'x'), 0, 0, 1, 1, 0, 0, 0}};
+    cd::Index named{{{std::string(n, 'x'), 0, 0, 1, 1, 0, 0, 0}}, {}};
     out.push_back({"index: a name of " + std::to_string(n) + " bytes", SeedKind::index, bytes_of(cd::encode_index(0, named)), {}, {}});
+  }
+  // Table parts whose sizes overflow: 2^62 rows of 2^20 floats and 64
+  // slots, a sketch of 2^31 x 16 counters; a layout of 2^60 numbers.
+  {
+    cd::TableRecord huge;
+    huge.variable = "t";
+    huge.state.dim = std::uint64_t{1} << 20;
+    huge.state.slots = 64;
+    huge.state.rows = std::uint64_t{1} << 62;
+    huge.state.sketch_width = 1u << 31;
+    huge.state.sketch_depth = 16;
+    huge.state.layout = {16, 1};
+    cd::Index index{{}, {huge}};
+    out.push_back({"index: a table part whose sizes overflow 64 bits", SeedKind::index, bytes_of(cd::encode_index(0, index)), {}, {}});
+    Bytes layout = bytes_of(cd::encode_index(0, index));
+    put(layout, layout.size() - 24, std::uint64_t{1} << 60);  // the layout's count
+    out.push_back({"index: a layout of 2^60 numbers", SeedKind::index, layout, {}, {}});
   }
   // A zero with an exponent: rapidjson 1.1.0 (Debian's, which cereal uses)
   // passes 0 to __builtin_clzll, undefined (Tencent/rapidjson#1249).
