@@ -19,7 +19,11 @@
 //!    (pulled or pushed, by global step) before it grows;
 //!  - every change gets a version, so `export_rows(since)` returns the rows
 //!    changed after `since` and the ids removed after it: a serving copy
-//!    applies the increments (`TableExport::merge`).
+//!    applies the increments (`TableExport::merge`);
+//!  - checkpoints (psx/checkpoint.hpp) save a server's part with what
+//!    decides its future (`checkpoint_state`, `checkpoint_rows`,
+//!    `checkpoint_sketch`) and restore it, from the same ring or merged
+//!    from another's parts, through a `Restorer` swapped in by `adopt`.
 //!
 //! The table is a concurrent hash table: `stripes` independently locked
 //! parts (a reader-writer lock each), each an open-addressing index

@@ -4,6 +4,7 @@
 #include <psx/psx.hpp>
 
 #include "../support.hpp"
+#include "faults.hpp"
 
 #include <doctest/doctest.h>
 
@@ -304,34 +305,13 @@ TEST_CASE("checkpoint: a save that fails at any point leaves the previous checkp
   using PS = Cluster<psx::optim::Adam>;
   PS ps({3, 1}, {}, {}, {.lr = 0.01});
   declare(ps);
-  auto& countdown = psx::checkpoint::detail::fault_countdown();
   int failures = 0;
-  bool saved = false;
   ps.run([&](psx::Worker& w) {
     for (int i = 0; i < 3; ++i) train_step(w);
     psx::checkpoint::save(ps, w, root.path);  // the good one, at step 3
     for (int i = 0; i < 2; ++i) train_step(w);
-    for (long k = 1; k < 200 && !saved; ++k) {
-      countdown = k;
-      try {
-        psx::checkpoint::save(ps, w, root.path);
-        saved = true;
-      } catch (const psx::checkpoint_error& e) {
-        CHECK(std::string(e.what()).find("injected failure") != std::string::npos);
-        ++failures;
-        // The previous checkpoint always survives; latest() names a complete
-        // one: the previous, or the new one when only the final fsync of
-        // the directory failed (after the rename that completes it).
-        psx::checkpoint::verify(dir_of(root.path, 3));
-        const auto latest = psx::checkpoint::latest(root.path);
-        REQUIRE(latest);
-        CHECK((latest->step == 3 || (latest->step == 5 && std::string(e.what()).find("fsync") != std::string::npos)));
-        psx::checkpoint::verify(latest->path);
-      }
-      countdown = 0;
-    }
+    failures = psx_test::save_through_each_failure(ps, w, root.path, 3, [] {});
   });
-  CHECK(saved);
   CHECK(failures >= 10);  // open, writes, fsyncs and renames of 3 shard files and the manifest
   const auto latest = psx::checkpoint::latest(root.path);
   REQUIRE(latest);

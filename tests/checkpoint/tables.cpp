@@ -10,6 +10,7 @@
 
 #include "../splitmix.hpp"
 #include "../support.hpp"
+#include "faults.hpp"
 
 #include <doctest/doctest.h>
 
@@ -737,33 +738,17 @@ TEST_CASE("checkpoint tables: a save that fails at any point leaves the previous
   TempDir root("tables-faults");
   AdamPS ps({2, 1}, {}, {}, kAdam);
   declare(ps, table_options());
-  auto& countdown = cd::fault_countdown();
   int failures = 0;
-  bool saved = false;
   psx::checkpoint::Table first;
   ps.run([&](psx::Worker& w) {
     for (int i = 0; i < 3; ++i) train_step(w);
     psx::checkpoint::save(ps, w, root.path);
     first = psx::checkpoint::load_table(dir_of(root.path, 3), "emb");
     for (int i = 0; i < 2; ++i) train_step(w);
-    for (long k = 1; k < 200 && !saved; ++k) {
-      countdown = k;
-      try {
-        psx::checkpoint::save(ps, w, root.path);
-        saved = true;
-      } catch (const psx::checkpoint_error& e) {
-        CHECK(std::string(e.what()).find("injected failure") != std::string::npos);
-        ++failures;
-        psx::checkpoint::verify(dir_of(root.path, 3));
-        check_same_rows(first, psx::checkpoint::load_table(dir_of(root.path, 3), "emb"));
-        const auto latest = psx::checkpoint::latest(root.path);
-        REQUIRE(latest);
-        CHECK((latest->step == 3 || (latest->step == 5 && std::string(e.what()).find("fsync") != std::string::npos)));
-      }
-      countdown = 0;
-    }
+    failures = psx_test::save_through_each_failure(ps, w, root.path, 3, [&] {
+      check_same_rows(first, psx::checkpoint::load_table(dir_of(root.path, 3), "emb"));
+    });
   });
-  CHECK(saved);
   CHECK(failures >= 10);
   REQUIRE(!first.ids.empty());
   CHECK(psx::checkpoint::load_table(dir_of(root.path, 5), "emb").ids.size() == ps.export_table("emb").ids.size());

@@ -25,6 +25,7 @@
 #include <span>
 #include <streambuf>
 #include <string>
+#include <utility>
 
 namespace psx {
 inline namespace v0 {
@@ -142,35 +143,60 @@ struct Loaded {
   std::span<const std::byte> all() const noexcept { return {bytes.get(), size}; }
 };
 
-inline Loaded read_file(const fs::path& file) {
-  const int fd = ::open(file.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) fail(file, errno == ENOENT ? "missing" : "cannot open: " + errno_text());
-  struct ::stat st {};
-  if (::fstat(fd, &st) != 0) {
-    const std::string why = errno_text();
-    ::close(fd);
-    fail(file, "cannot stat: " + why);
+// A file open for reading (closed with this), and its size.
+class InputFile {
+ public:
+  explicit InputFile(fs::path file) : path_(std::move(file)) {
+    fd_ = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd_ < 0) fail(path_, errno == ENOENT ? "missing" : "cannot open: " + errno_text());
+    struct ::stat st {};
+    if (::fstat(fd_, &st) != 0) {
+      const std::string why = errno_text();
+      ::close(fd_);
+      fail(path_, "cannot stat: " + why);
+    }
+    size_ = static_cast<std::uint64_t>(st.st_size);
   }
+  InputFile(const InputFile&) = delete;
+  InputFile& operator=(const InputFile&) = delete;
+  ~InputFile() { ::close(fd_); }
+
+  std::uint64_t size() const noexcept { return size_; }
+  const fs::path& path() const noexcept { return path_; }
+  //! Reads `n` bytes at `at`, all of them.
+  void read(std::byte* out, std::size_t n, std::uint64_t at) const {
+    std::size_t done = 0;
+    while (done < n) {
+      const ::ssize_t got = ::pread(fd_, out + done, n - done, static_cast<off_t>(at + done));
+      if (got < 0 && errno == EINTR) continue;
+      if (got < 0) fail(path_, "cannot read: " + errno_text());
+      if (got == 0) fail(path_, "the file shrank while being read");
+      done += static_cast<std::size_t>(got);
+    }
+  }
+  //! Its first `header_bytes` bytes (all of it, when shorter), read into `b`.
+  std::span<const std::byte> head(std::array<std::byte, header_bytes>& b) const {
+    const auto n = static_cast<std::size_t>(std::min<std::uint64_t>(header_bytes, size_));
+    read(b.data(), n, 0);
+    return std::span<const std::byte>(b).first(n);
+  }
+
+ private:
+  fs::path path_;
+  int fd_ = -1;
+  std::uint64_t size_ = 0;
+};
+
+inline Loaded read_file(const fs::path& file) {
+  const InputFile in(file);
   Loaded out;
-  out.size = static_cast<std::size_t>(st.st_size);
+  out.size = static_cast<std::size_t>(in.size());
   try {
     out.bytes = std::make_unique_for_overwrite<std::byte[]>(out.size);
   } catch (const std::bad_alloc&) {  // a damaged file system's size, say
-    ::close(fd);
     fail(file, "of " + std::to_string(out.size) + " bytes does not fit in memory");
   }
-  std::size_t done = 0;
-  while (done < out.size) {
-    const ::ssize_t r = ::read(fd, out.bytes.get() + done, out.size - done);
-    if (r < 0 && errno == EINTR) continue;
-    if (r <= 0) {
-      const std::string why = r < 0 ? errno_text() : "the file shrank while being read";
-      ::close(fd);
-      fail(file, "read failed: " + why);
-    }
-    done += static_cast<std::size_t>(r);
-  }
-  ::close(fd);
+  in.read(out.bytes.get(), out.size, 0);
   return out;
 }
 
@@ -195,17 +221,11 @@ inline Verified verify_bytes(Loaded file, FileKind want, const fs::path& path) {
 // The header alone (what the chief records in the manifest, and what
 // `latest()` checks without reading the data).
 inline Header read_header(const fs::path& file, FileKind want, std::uint64_t* size = nullptr) {
-  const int fd = ::open(file.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) fail(file, errno == ENOENT ? "missing" : "cannot open: " + errno_text());
-  struct ::stat st {};
+  const InputFile in(file);
   std::array<std::byte, header_bytes> b{};
-  ::ssize_t got = 0;
-  if (::fstat(fd, &st) == 0) got = ::pread(fd, b.data(), b.size(), 0);
-  ::close(fd);
-  if (got < 0) fail(file, "cannot read: " + errno_text());
-  if (size) *size = static_cast<std::uint64_t>(st.st_size);
-  return decode_header(std::span<const std::byte>(b.data(), static_cast<std::size_t>(got)),
-                       static_cast<std::uint64_t>(st.st_size), want, file);
+  const auto head = in.head(b);
+  if (size) *size = in.size();
+  return decode_header(head, in.size(), want, file);
 }
 
 // -- cereal over memory ----------------------------------------------------------------

@@ -14,13 +14,8 @@
 
 #include <cereal/archives/portable_binary.hpp>
 
-#include <fcntl.h>
-#include <sys/stat.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <array>
-#include <cerrno>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -140,18 +135,6 @@ inline Index decode_index(std::span<const std::byte> meta, std::uint64_t data_by
   return index;
 }
 
-// Reads `n` bytes at `at` of `file` (open as `fd`).
-inline void read_exact(int fd, const fs::path& file, std::byte* out, std::size_t n, std::uint64_t at) {
-  std::size_t done = 0;
-  while (done < n) {
-    const ::ssize_t got = ::pread(fd, out + done, n - done, static_cast<off_t>(at + done));
-    if (got < 0 && errno == EINTR) continue;
-    if (got < 0) fail(file, "cannot read: " + errno_text());
-    if (got == 0) fail(file, "the file shrank while being read");
-    done += static_cast<std::size_t>(got);
-  }
-}
-
 // What a shard file cut short lost, from its index where that is whole:
 // " (it ends inside <the part at its end>)"; "" where the header is not a
 // shard file's, or is whole, or the index is cut or damaged too.
@@ -207,20 +190,11 @@ Header decode_shard_header(std::span<const std::byte> head, std::uint64_t file_s
 // A shard file's header, and its size: as read_header, naming what a
 // truncated file ends inside.
 inline Header read_shard_header(const fs::path& file, std::uint32_t server, std::uint64_t& size) {
-  const int fd = ::open(file.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) fail(file, errno == ENOENT ? "missing" : "cannot open: " + errno_text());
-  struct Closer {
-    int fd;
-    ~Closer() { ::close(fd); }
-  } closer{fd};
-  struct ::stat st {};
-  if (::fstat(fd, &st) != 0) fail(file, "cannot stat: " + errno_text());
-  size = static_cast<std::uint64_t>(st.st_size);
+  const InputFile in(file);
+  size = in.size();
   std::array<std::byte, header_bytes> b{};
-  const auto head = std::span<const std::byte>(b).first(std::min<std::uint64_t>(header_bytes, size));
-  read_exact(fd, file, b.data(), head.size(), 0);
-  return decode_shard_header(head, size, server, file,
-                             [&](std::byte* out, std::size_t n, std::uint64_t at) { read_exact(fd, file, out, n, at); });
+  return decode_shard_header(in.head(b), size, server, file,
+                             [&](std::byte* out, std::size_t n, std::uint64_t at) { in.read(out, n, at); });
 }
 
 // Whether every shard file of the checkpoint `m` in `dir` has the header
@@ -367,7 +341,7 @@ struct Stream {
 // Reads the data part (`data_bytes` at `data_at`) of `file` in blocks that
 // are CRC'd while in cache, making the copies and feeding the streams;
 // returns its CRC-32C.
-inline std::uint32_t read_data(int fd, const fs::path& file, std::uint64_t data_at, std::uint64_t data_bytes,
+inline std::uint32_t read_data(const InputFile& file, std::uint64_t data_at, std::uint64_t data_bytes,
                                std::vector<Copy>& copies, std::vector<Stream>& streams) {
   auto by_src = [](const auto& a, const auto& b) { return a.src < b.src; };
   std::sort(copies.begin(), copies.end(), by_src);
@@ -397,7 +371,7 @@ inline std::uint32_t read_data(int fd, const fs::path& file, std::uint64_t data_
         len = static_cast<std::size_t>(std::min<std::uint64_t>(block, stop - at));
         dst = buf.get();
       }
-      read_exact(fd, file, dst, len, data_at + at);
+      file.read(dst, len, data_at + at);
       crc = ::psx::detail::crc32c(std::span<const std::byte>(dst, len), crc);
       at += len;
     }
@@ -406,7 +380,7 @@ inline std::uint32_t read_data(int fd, const fs::path& file, std::uint64_t data_
   std::size_t next_copy = 0, next_stream = 0;
   for (std::uint64_t at = 0; at < data_bytes; at += block) {
     const std::size_t len = static_cast<std::size_t>(std::min<std::uint64_t>(block, data_bytes - at));
-    read_exact(fd, file, buf.get(), len, data_at + at);
+    file.read(buf.get(), len, data_at + at);
     crc = ::psx::detail::crc32c(std::span<const std::byte>(buf.get(), len), crc);
     for (std::size_t k = next_copy; k < copies.size() && copies[k].src < at + len; ++k) {
       const Copy& cp = copies[k];
@@ -490,21 +464,11 @@ inline std::uint64_t read_shards(const ::psx::detail::PersistRequest& r, std::sp
     // Streamed: header and index first, then the data part in blocks that
     // are CRC'd while in cache and copied straight to where they go; no
     // whole-file buffer (its page faults cost more than the copy).
-    const int fd = ::open(file.c_str(), O_RDONLY | O_CLOEXEC);
-    if (fd < 0) fail(file, errno == ENOENT ? "missing" : "cannot open: " + errno_text());
-    struct Closer {
-      int fd;
-      ~Closer() { ::close(fd); }
-    } closer{fd};
-    struct ::stat st {};
-    if (::fstat(fd, &st) != 0) fail(file, "cannot stat: " + errno_text());
-    const auto file_size = static_cast<std::uint64_t>(st.st_size);
-    auto read_at = [&, fd = fd](std::byte* out, std::size_t n, std::uint64_t at) { read_exact(fd, file, out, n, at); };
+    const InputFile in(file);
+    auto read_at = [&](std::byte* out, std::size_t n, std::uint64_t at) { in.read(out, n, at); };
     std::array<std::byte, header_bytes> hb{};
-    const auto head = std::span<const std::byte>(hb).first(std::min<std::size_t>(header_bytes, file_size));
-    read_at(hb.data(), head.size(), 0);
-    const Header header = decode_shard_header(head, file_size, static_cast<std::uint32_t>(server), file, read_at);
-    check_listed(file, file_size, header, mf, m.step);
+    const Header header = decode_shard_header(in.head(hb), in.size(), static_cast<std::uint32_t>(server), file, read_at);
+    check_listed(file, in.size(), header, mf, m.step);
     std::vector<std::byte> meta_bytes(header.meta_bytes);
     read_at(meta_bytes.data(), meta_bytes.size(), header_bytes);
     if (::psx::detail::crc32c(meta_bytes) != header.meta_crc) fail(file, "corrupted metadata (CRC-32C mismatch)");
@@ -560,7 +524,7 @@ inline std::uint64_t read_shards(const ::psx::detail::PersistRequest& r, std::sp
       streams.push_back({rec->sketch_offset, rec->sketch_bytes(), [f = sketch.get()](auto b) { (*f)(b); }});
       feeds.push_back({&*rec, std::move(rows), std::move(sketch)});
     }
-    const std::uint32_t crc = read_data(fd, file, header_bytes + header.meta_bytes, header.data_bytes, copies, streams);
+    const std::uint32_t crc = read_data(in, header_bytes + header.meta_bytes, header.data_bytes, copies, streams);
     for (const Feeds& f : feeds) check_table_crcs(*f.record, *f.rows, *f.sketch, file);
     if (crc != header.data_crc) fail(file, "corrupted data (CRC-32C mismatch)");
     for (const std::size_t t : wanted.tables)
