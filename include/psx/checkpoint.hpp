@@ -1,7 +1,9 @@
 //! @file psx/checkpoint.hpp
 //! Sharded checkpoints: every server writes its own shards (parameters and
-//! optimizer slots), the chief writes a manifest, and a checkpoint restores
-//! into any number of servers and any partitioner, bit for bit.
+//! optimizer slots) and its part of every dynamic table (rows, slots,
+//! admission and eviction state), the chief writes a manifest, and a
+//! checkpoint restores into any number of servers and any partitioner, bit
+//! for bit.
 //!
 //! @code
 //! psx::checkpoint::Manager ckpt(ps, {.directory = "/shared/run1", .every_steps = 100, .max_to_keep = 5});
