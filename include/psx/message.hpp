@@ -50,6 +50,14 @@ enum class Op : std::uint8_t {
   cancel,     //!< finish the worker's kept request `Request::call` with an error, if the server keeps it (no item)
 };
 
+namespace detail {
+// A read: executing it again changes nothing (a transport that resends may
+// simply serve it again; detail::Window forgets its answer first).
+inline bool is_read(Op op) noexcept {
+  return op == Op::pull || op == Op::pull_rows || op == Op::read || op == Op::stats;
+}
+}  // namespace detail
+
 //! One shard of one variable touched by a request.
 struct Item {
   std::uint32_t variable = 0;

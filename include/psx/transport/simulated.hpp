@@ -791,11 +791,16 @@ class Simulated::link_type {
     e.time = n.egress_free + model_.network.latency;
     e.src = src;
     e.seq = n.sent++;
+    counted(e.bytes);
+    push(std::move(e));
+  }
+
+  // One message of `b` bytes on the simulated network (Timeline::messages, bytes).
+  void counted(std::size_t b) {
     Simulated::update(*model_.timeline, [&](double&, auto&, auto&, std::uint64_t& messages, std::uint64_t& bytes) {
       ++messages;
-      bytes += e.bytes;
+      bytes += b;
     });
-    push(std::move(e));
   }
 
   // A message of `bytes` that reached `node` now is through its link at the
@@ -1001,10 +1006,7 @@ class Simulated::link_type {
       e.seq = (std::uint64_t{1} << 63) | resent_++;
       e.time = now_ + wire_seconds(e.bytes) + model_.network.latency;
       Simulated::count(*model_.timeline, &FaultCounts::resent);
-      Simulated::update(*model_.timeline, [&](double&, auto&, auto&, std::uint64_t& messages, std::uint64_t& bytes) {
-        ++messages;
-        bytes += e.bytes;
-      });
+      counted(e.bytes);
       push(std::move(e));
     }
   }
@@ -1116,10 +1118,6 @@ class Simulated::link_type {
     return lane.pending.empty() ? lane.done_max + 1 : std::min(lane.pending.begin()->first, lane.done_max + 1);
   }
 
-  static bool is_read(Op op) noexcept {
-    return op == Op::pull || op == Op::pull_rows || op == Op::read || op == Op::stats;
-  }
-
   // Hands the request to its server in its worker's order, once
   // (detail::Window): a message that comes again gets the answer its first
   // got, one that came early waits for those before it.
@@ -1136,7 +1134,7 @@ class Simulated::link_type {
     // up, and so did everything the worker learnt before).
     win.acknowledge(std::min(floor_of(lane), e.id));
     const std::uint64_t id = e.id;
-    switch (win.arrive(id, e, is_read(e.request.op))) {
+    switch (win.arrive(id, e, detail::is_read(e.request.op))) {
       case Window::Arrival::answered: {
         h.link_event(RequestHandler::LinkEvent::duplicate);
         const Kept& k = win.find(id)->answer;
@@ -1183,7 +1181,7 @@ class Simulated::link_type {
     const std::uint32_t w = r.worker;
     const std::size_t bytes = answer_bytes(r);
     r.done = std::make_shared<Completion>(
-        1, [this, s, w, id = e.id, data = std::move(e.data), bytes, read = is_read(r.op)](std::exception_ptr error) mutable {
+        1, [this, s, w, id = e.id, data = std::move(e.data), bytes, read = detail::is_read(r.op)](std::exception_ptr error) mutable {
           answered(s, w, id, std::move(data), std::move(error), bytes, read);
         });
     loop_thread_.store(std::this_thread::get_id(), std::memory_order_relaxed);

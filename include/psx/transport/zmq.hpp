@@ -1577,7 +1577,7 @@ class Zmq::link_type {
     void sequence(std::shared_ptr<ServerCall> call, std::uint64_t call_id) {
       Window& win = windows_[call->worker];
       const std::string& from = sender(call->worker);
-      switch (win.arrive(call_id, call, !call->error && is_read(call->in.request.op))) {
+      switch (win.arrive(call_id, call, !call->error && ::psx::detail::is_read(call->in.request.op))) {
         case Window::Arrival::answered:  // its answer was lost: the same answer again
           h_.link_event(RequestHandler::LinkEvent::duplicate);
           return send_now(remembered(call->worker, win, win.find(call_id)->answer));
@@ -1618,10 +1618,6 @@ class Zmq::link_type {
         call_id = next->first;
         call = std::move(next->second);
       }
-    }
-
-    static bool is_read(Op op) noexcept {
-      return op == Op::pull || op == Op::pull_rows || op == Op::read || op == Op::stats;
     }
 
     // Hands a request that asks for an answer to the handler.
