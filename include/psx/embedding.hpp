@@ -397,7 +397,12 @@ class DynamicTable {
         }
         const Stripe& st = stripe(batch.hash[j]);
         copy_row(dst(j), record(st, slots[k]));
-        if (stripe_budget_ != 0) touch(meta(st, slots[k]).used, step);  // the LRU clock: read only under a cap
+        if (stripe_budget_ != 0) {  // the LRU clock: read only under a cap
+          if (st.snap) [[unlikely]]
+            touch_kept(st, ids[j], slots[k], step);
+          else
+            touch(meta(st, slots[k]).used, step);
+        }
       }
     });
     for (const std::uint32_t j : unseen) init_.fill_row(name_, ids[j], std::span<float>(dst(j), dim_));
@@ -584,6 +589,15 @@ class DynamicTable {
   //! Like the two below, called while no other thread changes the table:
   //! a server saves from the one thread that updates its tables.
   detail::TableState checkpoint_state() const {
+    std::vector<std::shared_lock<std::shared_mutex>> locks;
+    locks.reserve(options_.stripes);
+    for (std::uint32_t k = 0; k < options_.stripes; ++k) locks.emplace_back(stripes_[k].mu);
+    return state_locked();
+  }
+
+ private:
+  // checkpoint_state, every stripe locked by the caller.
+  detail::TableState state_locked() const {
     auto get = [](const std::atomic<std::uint64_t>& a) { return a.load(std::memory_order_relaxed); };
     detail::TableState s;
     s.dim = dim_;
@@ -603,12 +617,13 @@ class DynamicTable {
     s.layout.reserve(std::size_t{2} * options_.stripes);
     for (std::uint32_t k = 0; k < options_.stripes; ++k) {
       const Stripe& st = stripes_[k];
-      std::shared_lock lock(st.mu);
       s.layout.push_back(std::max(st.index.size(), st.reserved_index));
       s.layout.push_back(std::max(st.chunks.size(), st.reserved_chunks));
     }
     return s;
   }
+
+ public:
 
   //! The admission sketch's counters, row after row (none without one).
   std::vector<std::uint8_t> checkpoint_sketch() const { return sketch_ ? sketch_->counters() : std::vector<std::uint8_t>{}; }
@@ -645,6 +660,139 @@ class DynamicTable {
         if (!buf.empty()) sink(buf);
       }
     }
+  }
+
+  //! This table as it is at one moment, read while it goes on changing: a
+  //! checkpoint written while training runs (a background save,
+  //! psx/checkpoint.hpp). Made in the time it takes to lock every stripe
+  //! once (the counters, layout and admission sketch are copied then); its
+  //! rows are read later, stripe by stripe, by `rows`. Copy-on-write by
+  //! row: until the snapshot has read a stripe, a row of the snapshot that
+  //! an update or a removal is about to change is copied first (and a
+  //! pull's touch of a row's last use, under a memory cap, keeps the value
+  //! it replaces), so `rows` gives every row as it was at the moment the
+  //! snapshot was made, whatever changed since. The copies are the cost:
+  //! at most the snapshot's rows once, outside the memory cap, each
+  //! stripe's let go as soon as it is read. One snapshot at a time per
+  //! table; the table must outlive it, and must not be restored (`adopt`)
+  //! meanwhile.
+  class Snapshot {
+   public:
+    Snapshot(const Snapshot&) = delete;
+    Snapshot& operator=(const Snapshot&) = delete;
+    //! Stops copying; what was copied for stripes not read yet is let go.
+    ~Snapshot() { table_->end_snapshot(); }
+
+    //! The table's counters, layout and sketch size at the snapshot
+    //! (`TableState::shard_version` is the server's to fill in).
+    const detail::TableState& state() const noexcept { return state_; }
+    //! The admission sketch's counters at the snapshot (none without one).
+    const std::vector<std::uint8_t>& sketch() const noexcept { return sketch_; }
+    //! Bytes of rows copied so far because they changed before they were read.
+    std::uint64_t copied_bytes() const noexcept { return table_->snap_copied_.load(std::memory_order_relaxed); }
+
+    //! Calls `sink` with every row of the snapshot, `state().rows` rows in
+    //! all, as `checkpoint_rows` does (whole rows in blocks of up to 4 MiB,
+    //! each handed over with no lock held); once. `stop`, when set between
+    //! two blocks, ends it with a checkpoint_error.
+    void rows(const std::function<void(std::span<const std::byte>)>& sink, const std::atomic<bool>* stop = nullptr) {
+      if (read_) throw checkpoint_error("psx: dynamic table '" + table_->name_ + "': a snapshot's rows are read once");
+      read_ = true;
+      DynamicTable& t = *table_;
+      const std::size_t row = detail::table_row_bytes(t.dim_, t.slots_);
+      const std::size_t block = std::max<std::size_t>(row, std::size_t{4} << 20);
+      const std::size_t per_block = block / row;
+      std::vector<std::byte> buf;
+      buf.reserve(per_block * row);
+      std::vector<Entry> entries;
+      auto hand_over = [&] {
+        if (stop && stop->load(std::memory_order_relaxed))
+          throw checkpoint_error("psx: dynamic table '" + t.name_ + "': the save was called off");
+        if (!buf.empty()) sink(buf);
+        buf.clear();
+      };
+      for (std::uint32_t k = 0; k < t.options_.stripes; ++k) {
+        Stripe& st = t.stripes_[k];
+        {  // The ids stored now: those of the snapshot among them (the others, since removed, were copied)
+          std::shared_lock lock(st.mu);
+          entries.clear();
+          for (const Entry& e : st.index)
+            if (e.slot != empty_slot) entries.push_back(e);
+        }
+        for (std::size_t i = 0; i < entries.size();) {
+          {
+            std::shared_lock lock(st.mu);
+            StripeSnapshot& sn = *st.snap;
+            std::lock_guard taking(sn.mu);
+            for (; i < entries.size() && buf.size() + row <= per_block * row; ++i) {
+              const std::uint32_t slot = entries[i].slot;
+              const RowMeta& m = t.meta(st, slot);
+              // Changed or added after the snapshot, removed (the record
+              // free or another id's), or copied before it changed: not
+              // read here. A row at its version of the snapshot, in its
+              // record, is the snapshot's.
+              if (m.version > t.snap_version_ || sn.was_taken(slot)) continue;
+              const auto seen = sn.used_before.find(entries[i].key);
+              const std::uint64_t head[3] = {
+                  entries[i].key, m.updated,
+                  seen != sn.used_before.end() ? seen->second : m.used.load(std::memory_order_relaxed)};
+              const std::size_t at = buf.size();
+              buf.resize(at + row);
+              std::memcpy(buf.data() + at, head, sizeof head);
+              std::memcpy(buf.data() + at + sizeof head, t.record(st, slot), t.record_floats_ * sizeof(float));
+              if ((slot >> 6) >= sn.taken.size()) sn.taken.resize((slot >> 6) + 1);
+              sn.taken[slot >> 6] |= std::uint64_t{1} << (slot & 63);
+            }
+          }
+          hand_over();
+        }
+        // Every row of the stripe read or copied: no more copies; then the copies.
+        std::unique_ptr<StripeSnapshot> done;
+        {
+          std::unique_lock lock(st.mu);
+          done = std::move(st.snap);
+        }
+        const std::vector<std::byte>& before = done->before;
+        for (std::size_t at = 0; at < before.size(); at += per_block * row) {
+          const std::size_t n = std::min(per_block * row, before.size() - at);
+          buf.assign(before.begin() + static_cast<std::ptrdiff_t>(at),
+                     before.begin() + static_cast<std::ptrdiff_t>(at + n));
+          hand_over();
+        }
+      }
+    }
+
+   private:
+    friend class DynamicTable;
+    explicit Snapshot(DynamicTable& t) : table_(&t) {}
+
+    DynamicTable* table_;
+    detail::TableState state_;
+    std::vector<std::uint8_t> sketch_;
+    bool read_ = false;
+  };
+
+  //! Makes a Snapshot of this table (every stripe locked for writing at
+  //! once, briefly: the counters and sketch are copied, the rows are not).
+  //! Throws checkpoint_error while another snapshot of it is open.
+  std::unique_ptr<Snapshot> snapshot() {
+    if (snapshot_open_.exchange(true, std::memory_order_acq_rel))
+      throw checkpoint_error("psx: dynamic table '" + name_ + "': a snapshot of it is open already (one at a time)");
+    std::unique_ptr<Snapshot> snap(new Snapshot(*this));  // from here, its destructor ends the snapshot
+    std::vector<std::unique_lock<std::shared_mutex>> locks;
+    locks.reserve(options_.stripes);
+    for (std::uint32_t k = 0; k < options_.stripes; ++k) locks.emplace_back(stripes_[k].mu);
+    // Every stripe locked: no update is halfway, every version handed out is on its row.
+    for (std::uint32_t k = 0; k < options_.stripes; ++k) {
+      Stripe& st = stripes_[k];
+      st.snap = std::make_unique<StripeSnapshot>();
+      st.snap->taken.assign((st.chunks.size() * chunk_rows_ + 63) / 64, 0);
+    }
+    snap_version_ = version();
+    snap_copied_.store(0, std::memory_order_relaxed);
+    snap->state_ = state_locked();
+    snap->sketch_ = checkpoint_sketch();
+    return snap;
   }
 
   //! Takes the saved parts of a table while a checkpoint is read, for
@@ -835,6 +983,9 @@ class DynamicTable {
   }
 
   static constexpr std::uint32_t empty_slot = 0xffffffffu;
+  // The version of a record being changed (until its window ends) or free:
+  // above every snapshot's.
+  static constexpr std::uint64_t changing = std::numeric_limits<std::uint64_t>::max();
   // Ids looked up together (find_window): enough misses in flight to hide
   // the memory latency (64-256 measured alike, 16 slower), few enough
   // stripes locked at once.
@@ -852,6 +1003,25 @@ class DynamicTable {
     mutable std::atomic<std::uint64_t> used{0};  // global step of its last pull or push
   };
   static_assert(sizeof(RowMeta) % alignof(float) == 0 && alignof(RowMeta) <= __STDCPP_DEFAULT_NEW_ALIGNMENT__);
+  // What a Snapshot keeps of one stripe until it has read it: the rows of
+  // the snapshot changed or removed before it read them, copied just
+  // before (`table_row_bytes` each, as the checkpoint holds them), and the
+  // last use of rows a pull touched meanwhile (the LRU clock, under a cap).
+  // `taken`: a bit per record slot, set when the snapshot read the row
+  // there (a row read needs no copy). The stripe's lock for writing
+  // guards all of it; pulls and the snapshot's reader, which hold it for
+  // reading only, take `mu` for `used_before` and `taken`.
+  struct StripeSnapshot {
+    std::vector<std::byte> before;
+    std::vector<std::uint64_t> taken;
+    std::mutex mu;
+    std::unordered_map<std::uint64_t, std::uint64_t> used_before;
+
+    bool was_taken(std::uint32_t slot) const noexcept {
+      const std::size_t word = slot >> 6;
+      return word < taken.size() && ((taken[word] >> (slot & 63)) & 1) != 0;
+    }
+  };
   struct Stripe {
     mutable std::shared_mutex mu;
     std::vector<Entry> index;  // a power of two, at most 3/4 full
@@ -868,6 +1038,9 @@ class DynamicTable {
     // it as rows come (Restorer).
     std::size_t reserved_index = 0;
     std::size_t reserved_chunks = 0;
+    // While a Snapshot has not yet read this stripe: what it needs of the
+    // rows that change before it does (null otherwise).
+    std::unique_ptr<StripeSnapshot> snap;
   };
 
   // One stored id's update (under its stripe's lock), admitting it first when it is not stored.
@@ -886,6 +1059,7 @@ class DynamicTable {
         return;
       }
       slot = insert(st, id, h);
+      changed.push_back(&meta(st, slot));  // reserved by the caller: does not throw
       float* w = record(st, slot);
       init_.fill_row(name_, id, std::span<float>(w, dim_));
       for (std::size_t s = 0; s < slots_; ++s) std::fill_n(w + (1 + s) * dim_, dim_, slot_init_[s]);
@@ -894,9 +1068,12 @@ class DynamicTable {
       m.used.store(step, std::memory_order_relaxed);
       if (!st.removed.empty() && st.removed.erase(id)) sub_removal(1);
       admitted_.fetch_add(1, std::memory_order_relaxed);
+    } else {
+      if (st.snap) [[unlikely]]
+        keep_before(st, id, slot);  // may throw: nothing changed yet
+      changed.push_back(&meta(st, slot));  // reserved by the caller: does not throw
     }
     RowMeta& m = meta(st, slot);
-    changed.push_back(&m);  // reserved by the caller: does not throw
     float* w = record(st, slot);
     for (std::size_t s = 0; s < slots_; ++s) bases[s] = w + (1 + s) * dim_;
     optimizer.update(std::span<float>(w, dim_), std::span<const float>(g, dim_), SlotView(bases.data(), slots_, 0, dim_),
@@ -1023,6 +1200,49 @@ class DynamicTable {
   std::size_t stripe_of(std::uint64_t h) const noexcept { return stripe_shift_ == 64 ? 0 : h >> stripe_shift_; }
   Stripe& stripe(std::uint64_t h) const noexcept { return stripes_[stripe_of(h)]; }
 
+  // A snapshot ends: its stripes not read yet stop copying.
+  void end_snapshot() noexcept {
+    for (std::uint32_t k = 0; k < options_.stripes; ++k) {
+      Stripe& st = stripes_[k];
+      std::unique_ptr<StripeSnapshot> left;
+      std::unique_lock lock(st.mu);
+      left = std::move(st.snap);
+    }
+    snapshot_open_.store(false, std::memory_order_release);
+  }
+
+  // Before a row of the snapshot being read changes or goes (under the
+  // stripe's lock for writing): unless the snapshot has it already (read,
+  // or copied before), a copy of it as the snapshot saw it. Throws
+  // bad_alloc, having changed nothing.
+  void keep_before(Stripe& st, std::uint64_t id, std::uint32_t slot) {
+    StripeSnapshot& sn = *st.snap;
+    const RowMeta& m = meta(st, slot);
+    if (m.version > snap_version_ || sn.was_taken(slot)) return;  // a row after the snapshot, or one it has
+    const auto seen = sn.used_before.find(id);
+    const std::uint64_t head[3] = {id, m.updated,
+                                   seen != sn.used_before.end() ? seen->second : m.used.load(std::memory_order_relaxed)};
+    const std::size_t row = detail::table_row_bytes(dim_, slots_), at = sn.before.size();
+    sn.before.resize(at + row);
+    std::memcpy(sn.before.data() + at, head, sizeof head);
+    std::memcpy(sn.before.data() + at + sizeof head, record(st, slot), record_floats_ * sizeof(float));
+    if ((slot >> 6) >= sn.taken.size()) sn.taken.resize((slot >> 6) + 1);  // (rows at the snapshot are below)
+    sn.taken[slot >> 6] |= std::uint64_t{1} << (slot & 63);
+    snap_copied_.fetch_add(row, std::memory_order_relaxed);
+  }
+
+  // A pull's touch of a row while a snapshot has not read its stripe (under
+  // the stripe's lock for reading): the row's last use as the snapshot saw
+  // it is kept first, once.
+  void touch_kept(const Stripe& st, std::uint64_t id, std::uint32_t slot, std::uint64_t step) const {
+    RowMeta& m = meta(st, slot);
+    if (m.version > snap_version_ || m.used.load(std::memory_order_relaxed) >= step) return touch(m.used, step);
+    StripeSnapshot& sn = *st.snap;
+    std::lock_guard lock(sn.mu);
+    if (!sn.was_taken(slot)) sn.used_before.try_emplace(id, m.used.load(std::memory_order_relaxed));
+    touch(m.used, step);
+  }
+
   // Raises the LRU clock to `step`, never lowers it (pulls of several
   // threads at other steps race here).
   static void touch(std::atomic<std::uint64_t>& used, std::uint64_t step) noexcept {
@@ -1098,6 +1318,7 @@ class DynamicTable {
       }
     }
     const std::uint32_t slot = take_slot(st, id, h);
+    meta(st, slot).version = changing;  // its version comes at the end of the caller's window
     rows_.fetch_add(1, std::memory_order_relaxed);
     return slot;
   }
@@ -1164,7 +1385,10 @@ class DynamicTable {
     const std::size_t mask = st.index.size() - 1;
     std::size_t i = hash(id) & mask;
     while (st.index[i].key != id || st.index[i].slot == empty_slot) i = (i + 1) & mask;
-    st.free.push_back(st.index[i].slot);  // may throw: nothing changed yet
+    const std::uint32_t slot = st.index[i].slot;
+    if (st.snap) [[unlikely]]
+      keep_before(st, id, slot);  // may throw: nothing changed yet
+    st.free.push_back(slot);  // may throw: nothing changed yet
     std::unordered_map<std::uint64_t, std::uint64_t>::iterator logged;
     bool fresh = false;
     if (options_.removal_log_limit != 0) {
@@ -1184,6 +1408,7 @@ class DynamicTable {
       i = j;
     }
     st.index[i] = Entry{};
+    meta(st, slot).version = changing;  // free: a snapshot's reader passes over it
     --st.count;
     ++st.erasures;
     rows_.fetch_sub(1, std::memory_order_relaxed);
@@ -1263,6 +1488,10 @@ class DynamicTable {
   std::atomic<std::uint64_t> next_sweep_{0};
   std::atomic<std::uint64_t> version_{0};
   std::atomic<std::uint64_t> incarnation_{0};  // replaced by a restore (adopt), read by exports meanwhile
+  // The open Snapshot's version (set with every stripe locked, read under a stripe's lock).
+  std::uint64_t snap_version_ = 0;
+  std::atomic<bool> snapshot_open_{false};
+  std::atomic<std::uint64_t> snap_copied_{0};
   std::atomic<std::uint64_t> rows_{0}, bytes_{0}, admitted_{0}, refused_{0}, evicted_ttl_{0}, evicted_memory_{0},
       removals_{0};
 };

@@ -23,11 +23,14 @@
 #include <cstdint>
 #include <cstring>
 #include <deque>
+#include <exception>
 #include <functional>
 #include <limits>
 #include <map>
 #include <memory>
 #include <string>
+#include <string_view>
+#include <thread>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -90,6 +93,8 @@ class Server final : public RequestHandler {
 
   Server(const Server&) = delete;
   Server& operator=(const Server&) = delete;
+  //! Calls off a save being written in the background.
+  ~Server() { forget_background(); }
 
   void handle(Request&& r) noexcept override {
     const bool timed = peer_timeout_.count() > 0;
@@ -429,7 +434,8 @@ class Server final : public RequestHandler {
         release_barrier();
         return;
       case Op::save:
-        save(r);
+        if (r.items.empty()) save(r);
+        else background_save(r);
         break;
       case Op::restore:
         restore(r);
@@ -453,6 +459,10 @@ class Server final : public RequestHandler {
   void save(const Request& r) {
     // An empty path would write the shard into the server's working directory.
     if (r.reason.empty()) throw wire_error("psx: " + where(r) + ": a save request names no checkpoint directory");
+    if (background_ && !background_->done.load(std::memory_order_acquire))
+      throw checkpoint_error("psx: server " + std::to_string(index_) + ": asked to save step " + std::to_string(r.clock) +
+                             " while it still writes step " + std::to_string(background_->step) +
+                             " in the background (one save at a time)");
     const auto& hooks = detail::persist_hooks();
     if (!hooks.save)
       throw config_error("psx: server " + std::to_string(index_) +
@@ -494,6 +504,123 @@ class Server final : public RequestHandler {
     hooks.save({r.reason, r.clock, index_}, out, tables);
   }
 
+  // A save written by a thread of its own while the server goes on
+  // serving (checkpoint::BackgroundSave). Its snapshot: the dense shards
+  // copied, each dynamic table's Snapshot (copy-on-write by row).
+  struct BackgroundSave {
+    std::uint64_t step = 0;
+    std::string directory;
+    std::deque<std::vector<float>> copies;
+    std::vector<detail::SavedShard> shards;
+    std::vector<std::unique_ptr<typename DynamicTable<O>::Snapshot>> snapshots;
+    std::vector<detail::SavedTable> tables;
+    std::atomic<bool> stop{false}, done{false};
+    std::exception_ptr error;  // the writer's, set before `done`
+    std::thread writer;
+  };
+
+  // Op::save with an answer of 2 floats (a u64), `r.reason`:
+  //  - a directory: snapshot this server's state now and write its shard
+  //    file of step `r.clock` there in the background; answers 0 once the
+  //    snapshot is taken;
+  //  - "?" and that directory: answers 1 once the file is written, 0 while
+  //    it is being written; throws the writer's error when it failed;
+  //  - "-" and that directory: calls it off (its writer stops between two
+  //    blocks) and forgets it; answers 1 (also when this server has no such
+  //    save: one refused, or one it forgot).
+  void background_save(const Request& r) {
+    if (r.items.size() != 1 || r.items[0].out.size() != 2)
+      throw wire_error("psx: " + where(r) + ": a background save carries one answer of 2 floats");
+    auto answer = [&](std::uint64_t v) { std::memcpy(r.items[0].out.data(), &v, sizeof v); };
+    const std::string_view dir = std::string_view(r.reason).substr(r.reason.empty() ? 0 : 1);
+    const bool this_one = background_ && background_->directory == dir;
+    if (r.reason.starts_with("-")) {
+      if (this_one) forget_background();
+      return answer(1);
+    }
+    if (r.reason.starts_with("?")) {
+      if (!this_one)
+        throw checkpoint_error("psx: server " + std::to_string(index_) + ": asked about the background save of step " +
+                               std::to_string(r.clock) + " in " + std::string(dir) + ", but it " +
+                               (background_ ? "writes step " + std::to_string(background_->step) + " in " +
+                                                  background_->directory
+                                            : std::string("writes none")));
+      if (!background_->done.load(std::memory_order_acquire)) return answer(0);
+      if (background_->writer.joinable()) background_->writer.join();
+      if (background_->error) std::rethrow_exception(background_->error);
+      return answer(1);
+    }
+    if (r.reason.empty()) throw wire_error("psx: " + where(r) + ": a background save names no checkpoint directory");
+    if (background_ && !background_->done.load(std::memory_order_acquire))
+      throw checkpoint_error("psx: server " + std::to_string(index_) + ": asked to save step " +
+                             std::to_string(r.clock) + " in the background while it still writes step " +
+                             std::to_string(background_->step) + " (one save at a time)");
+    forget_background();  // one written and not asked about: the chief gave it up
+    const auto& hooks = detail::persist_hooks();
+    if (!hooks.save)
+      throw config_error("psx: server " + std::to_string(index_) +
+                         ": asked to save a checkpoint, but this program does not include psx/checkpoint.hpp");
+    auto b = std::make_unique<BackgroundSave>();
+    b->step = r.clock;
+    b->directory = r.reason;
+    const std::size_t num_slots = optimizer_.slots();
+    for (auto& per_variable : shards_)
+      for (std::size_t k = 0; k < per_variable.size(); ++k) {
+        if (!per_variable[k]) continue;
+        ShardState& s = *per_variable[k];
+        if (s.table) {
+          auto& snap = b->snapshots.emplace_back(s.table->snapshot());
+          detail::SavedTable t{s.var, snap->state(), snap->sketch(), {}};
+          t.state.shard_version = s.version;
+          t.rows = [snap = snap.get(), stop = &b->stop](const std::function<void(std::span<const std::byte>)>& sink) {
+            snap->rows(sink, stop);
+          };
+          b->tables.push_back(std::move(t));
+          continue;
+        }
+        detail::SavedShard v{s.var, static_cast<std::uint32_t>(k), s.version, {}, {}};
+        const std::size_t n = s.data.size();
+        std::vector<float>& params = b->copies.emplace_back(n);
+        std::vector<float>& slots = b->copies.emplace_back(num_slots * n);
+        if constexpr (requires { s.data.values(); s.data.slot_values(std::size_t{}); }) {
+          std::copy(s.data.values().begin(), s.data.values().end(), params.begin());
+          for (std::size_t j = 0; j < num_slots; ++j) {
+            const auto slot = s.data.slot_values(j);
+            std::copy(slot.begin(), slot.end(), slots.begin() + static_cast<std::ptrdiff_t>(j * n));
+          }
+        } else if constexpr (requires(std::span<float> a) { s.data.save_state(a, a); }) {
+          s.data.save_state(params, slots);
+        } else {
+          throw config_error("psx: server " + std::to_string(index_) +
+                             ": this storage has neither save_state nor values/slot_values: it cannot be checkpointed");
+        }
+        v.params = params;
+        for (std::size_t j = 0; j < num_slots; ++j) v.slots.push_back(std::span<const float>(slots).subspan(j * n, n));
+        b->shards.push_back(std::move(v));
+      }
+    BackgroundSave& saving = *b;
+    const detail::PersistRequest where_to{r.reason, r.clock, index_};
+    saving.writer = std::thread([&saving, where_to, save = hooks.save] {
+      try {
+        save(where_to, saving.shards, saving.tables);
+      } catch (...) {
+        saving.error = std::current_exception();
+      }
+      saving.snapshots.clear();  // copies let go, the tables copy no more
+      saving.done.store(true, std::memory_order_release);
+    });
+    background_ = std::move(b);
+    answer(0);
+  }
+
+  // Calls off the background save, if any, and waits for its writer.
+  void forget_background() noexcept {
+    if (!background_) return;
+    background_->stop.store(true, std::memory_order_relaxed);
+    if (background_->writer.joinable()) background_->writer.join();
+    background_.reset();
+  }
+
   // A restore in two phases, so that it changes nothing anywhere unless
   // every server could read its part: `r.reason` a directory: read and
   // check what this server's shards need from the checkpoint there, and
@@ -504,6 +631,9 @@ class Server final : public RequestHandler {
       staged_.reset();
       return;
     }
+    if (background_ && !background_->done.load(std::memory_order_acquire))
+      throw checkpoint_error("psx: server " + std::to_string(index_) + ": asked to restore a checkpoint while it writes step " +
+                             std::to_string(background_->step) + " in the background (finish or call off that save first)");
     if (r.reason.empty()) return commit_restore(r.clock);
     const auto& hooks = detail::persist_hooks();
     if (!hooks.restore)
@@ -1159,6 +1289,7 @@ class Server final : public RequestHandler {
   std::vector<const DynamicTable<O>*> tables_;  // the dynamic tables among them
   std::vector<std::uint64_t> clocks_;
   std::unique_ptr<StagedRestore> staged_;  // a restore read but not yet applied
+  std::unique_ptr<BackgroundSave> background_;  // a save being written, or written and not yet asked about
   std::vector<Gone> gone_;
   std::vector<bool> heard_;  // whether each worker has sent anything yet
   // When each worker was last heard from, on a clock that stops while the

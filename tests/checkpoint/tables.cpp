@@ -11,6 +11,7 @@
 #include "../splitmix.hpp"
 #include "../support.hpp"
 #include "faults.hpp"
+#include "gate.hpp"
 
 #include <doctest/doctest.h>
 
@@ -24,6 +25,7 @@
 #include <functional>
 #include <iterator>
 #include <numeric>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -415,19 +417,32 @@ void train_step(psx::Worker& w) {
 
 // Trains a new cluster up to `until` under a Manager saving every kSaveAt
 // steps into `root` (restore_or_init resumes from its newest checkpoint);
-// returns the table's stats at the end.
-std::vector<psx::TableStats> run(const fs::path& root, std::uint64_t until, std::uint64_t* resumed = nullptr) {
+// returns the table's stats at the end. `background`: the Manager saves in
+// the background, and its writes wait (WriteGate) until 3 steps after
+// each save began; `waited` counts the writes that waited.
+std::vector<psx::TableStats> run(const fs::path& root, std::uint64_t until, std::uint64_t* resumed = nullptr,
+                                 bool background = false, int* waited = nullptr) {
   PS ps({kServers, kWorkers}, {}, {}, psx::optim::Adagrad{.lr = 0.1});
   declare(ps);
-  psx::CheckpointManager<PS> ckpt(ps, {.directory = root, .every_steps = kSaveAt, .max_to_keep = 0});
+  psx::CheckpointManager<PS> ckpt(
+      ps, {.directory = root, .every_steps = kSaveAt, .max_to_keep = 0, .background = background});
+  std::optional<psx_test::WriteGate> gate;
+  if (background) gate.emplace();
+  int writes = 0;  // the chief's: writes begun
   ps.run([&](psx::Worker& w) {
     const std::uint64_t from = ckpt.restore_or_init(w);
     if (resumed && w.is_chief()) *resumed = from;
+    const bool gatekeeper = gate && w.is_chief();
     while (w.clock() < until) {
       train_step(w);
-      ckpt.maybe_save(w);
+      if (gatekeeper && w.clock() % kSaveAt == 0) gate->close();  // before the chief begins a save
+      if (gatekeeper && w.clock() % kSaveAt == 3) gate->open_when_waited(writes);
+      if (ckpt.maybe_save(w) && gatekeeper) writes += static_cast<int>(kServers);
     }
+    if (gatekeeper) gate->open_when_waited(writes);
+    ckpt.finish(w);
   });
+  if (waited && gate) *waited = gate->waited();
   return ps.table_stats("ids");
 }
 
@@ -481,6 +496,41 @@ TEST_CASE("checkpoint tables: a recommender job killed after a save and resumed 
   CHECK(same_bits(x.server, y.server));
   REQUIRE(x.parts.size() == y.parts.size());
   for (std::size_t s = 0; s < x.parts.size(); ++s) check_same_part(x.parts[s], y.parts[s]);
+}
+
+TEST_CASE("checkpoint tables: a recommender job saving in the background as it trains keeps the same checkpoints, and resumes bit-identical") {
+  Watchdog dog("recsys background", std::chrono::seconds(120));
+  TempDir stopping("recsys-stopping"), background("recsys-background");
+  const auto end_stopping = rec::run(stopping.path, rec::kSteps);
+  int waited = 0;
+  const auto end_background = rec::run(background.path, rec::kSteps, nullptr, true, &waited);
+  CHECK(waited == static_cast<int>(2 * rec::kServers));  // every save's writes waited while the job went on
+  auto check_same = [](const fs::path& a, const fs::path& b) {
+    for (const char* name : {"W", "v", "b"}) {
+      CAPTURE(name);
+      const auto x = psx::checkpoint::load_variable(a, name), y = psx::checkpoint::load_variable(b, name);
+      CHECK(same_bits(x.values, y.values));
+      CHECK(same_bits(x.slots, y.slots));
+    }
+    const auto x = psx::checkpoint::load_table(a, "ids"), y = psx::checkpoint::load_table(b, "ids");
+    REQUIRE(x.ids.size() > 100);
+    check_same_rows(x, y);
+    REQUIRE(x.parts.size() == y.parts.size());
+    for (std::size_t s = 0; s < x.parts.size(); ++s) check_same_part(x.parts[s], y.parts[s]);
+  };
+  // Each background checkpoint holds its step exactly, though the job
+  // trained on (admitting, evicting, sweeping) while it was written.
+  for (const std::uint64_t step : {rec::kSaveAt, rec::kSteps}) {
+    CAPTURE(step);
+    check_same(dir_of(stopping.path, step), dir_of(background.path, step));
+  }
+  for (std::size_t s = 0; s < rec::kServers; ++s) CHECK(end_background[s].rows == end_stopping[s].rows);
+  // Resumed from the background one of the middle: the same end.
+  fs::remove_all(dir_of(background.path, rec::kSteps));
+  std::uint64_t resumed = 0;
+  rec::run(background.path, rec::kSteps, &resumed, true);
+  CHECK(resumed == rec::kSaveAt);
+  check_same(dir_of(stopping.path, rec::kSteps), dir_of(background.path, rec::kSteps));
 }
 
 TEST_CASE("checkpoint tables: a row's last use moves with it and decides what a full table evicts after a restore") {

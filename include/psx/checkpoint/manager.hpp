@@ -14,6 +14,9 @@
 #include <cstdint>
 #include <cstdio>
 #include <filesystem>
+#include <map>
+#include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <system_error>
@@ -36,6 +39,14 @@ struct Options {
   std::uint64_t check_every_steps = 10;
   //! Complete checkpoints kept; older ones are deleted after a save (0: keep all).
   std::size_t max_to_keep = 5;
+  //! Saves that training does not wait for (`save_in_background`): a save
+  //! snapshots the servers' state and returns; its files are written while
+  //! training goes on, and the save is finished (the checkpoint made
+  //! complete, older ones deleted) by the next save or `finish`. A crash
+  //! before that loses this save, not the ones before it. Costs memory
+  //! while a save is written: a dynamic table copies each row that changes
+  //! before its writer has read it.
+  bool background = false;
 };
 
 //! Saves every N steps, keeps the last `max_to_keep`, and resumes a run
@@ -134,10 +145,45 @@ class Manager {
   //! to this one beyond `max_to_keep`, never the one just saved.
   //! Checkpoints of later steps (a run rolled back to an earlier one) are
   //! left alone, and `latest()` takes the highest step: remove them, or
-  //! save into another directory, to resume the new run.
+  //! save into another directory, to resume the new run. With
+  //! `background`: finishes the save before (if any), then begins this one
+  //! and returns where it will be (complete once finished).
   Info save(Worker& w) {
-    Info info = checkpoint::save(*ps_, w, options_.directory);
+    if (!options_.background) {
+      Info info = checkpoint::save(*ps_, w, options_.directory);
+      if (w.is_chief()) last_save_ = std::chrono::steady_clock::now();
+      saved(w, info);
+      return info;
+    }
+    finish(w);
     if (w.is_chief()) last_save_ = std::chrono::steady_clock::now();
+    BackgroundSave& saving = background_save(w);
+    saving = save_in_background(*ps_, w, options_.directory);
+    return {saving.directory(), saving.step()};
+  }
+
+  //! Collective: finishes the background save begun last, if it is not
+  //! finished yet (`BackgroundSave::finish`), and deletes the checkpoints
+  //! beyond `max_to_keep`; returns it. Call it when training ends, or the
+  //! last background save is lost. Does nothing without one pending.
+  std::optional<Info> finish(Worker& w) {
+    BackgroundSave& saving = background_save(w);
+    if (!saving.pending()) return std::nullopt;
+    Info info = saving.finish(w);
+    saved(w, info);
+    return info;
+  }
+
+  //! Worker `w`'s view of the background save being written, if any
+  //! (`pending()`; each worker of a process sharing this manager has its own).
+  BackgroundSave& background_save(const Worker& w) {
+    std::lock_guard lock(saving_->mu);
+    return saving_->by_worker[w.index()];  // a map's elements stay where they are
+  }
+
+ private:
+  // Deletes the oldest checkpoints beyond max_to_keep (the chief).
+  void saved(Worker& w, const Info& info) {
     if (w.is_chief() && options_.max_to_keep > 0) {
       std::vector<Info> older;  // oldest first, up to the one just saved
       for (const Info& c : checkpoint::list(options_.directory))
@@ -150,12 +196,16 @@ class Manager {
         std::filesystem::remove_all(older[i].path, ec);
       }
     }
-    return info;
   }
 
- private:
+  struct Saving {
+    std::mutex mu;
+    std::map<std::size_t, BackgroundSave> by_worker;
+  };
+
   const PS* ps_;
   Options options_;
+  std::unique_ptr<Saving> saving_ = std::make_unique<Saving>();  // (a manager stays movable)
   std::chrono::steady_clock::time_point last_save_ = std::chrono::steady_clock::now();  // the chief's only
 };
 

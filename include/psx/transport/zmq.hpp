@@ -1444,10 +1444,11 @@ class Zmq::link_type {
     // buffer is allocated; the server checks the rest.
     std::string bad_output(const Request& r, std::size_t i, const ::psx::detail::wire::OutSpec& o) const {
       const Item& item = r.items[i];
-      if (r.op == Op::barrier || r.op == Op::join)  // agree_max, run's join: 2 floats holding a u64
+      if (r.op == Op::barrier || r.op == Op::join || r.op == Op::save)  // agree_max, run's join, a background save: a u64
         return o.count == 2 && o.kind == ::psx::detail::wire::OutKind::float32
                    ? ""
-                   : std::string("a ") + (r.op == Op::join ? "join" : "barrier") + "'s answer is 2 floats";
+                   : std::string("a ") + (r.op == Op::join ? "join" : r.op == Op::save ? "background save" : "barrier") +
+                         "'s answer is 2 floats";
       if (r.op == Op::stats)  // Worker::server_stats: the counters as float pairs
         return o.count == ::psx::detail::stats_floats && o.kind == ::psx::detail::wire::OutKind::float32
                    ? ""
