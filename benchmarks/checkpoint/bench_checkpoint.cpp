@@ -31,6 +31,8 @@
 #include <psx/checkpoint.hpp>
 #include <psx/psx.hpp>
 
+#include "plain_io.hpp"
+
 #include <fcntl.h>
 #include <unistd.h>
 
@@ -49,70 +51,12 @@
 
 namespace {
 
-using Clock = std::chrono::steady_clock;
-namespace fs = std::filesystem;
+using namespace psx_bench;
 
 using Cluster = psx::ParameterServer<psx::partition::RowRange, psx::sync::Synchronous, psx::optim::Adam>;
 
 constexpr std::size_t num_servers = 2, num_variables = 4, cols = 1024;
 constexpr std::size_t saved_floats_per_param = 3;  // the parameter and Adam's two slots
-
-double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const std::size_t n = v.size();
-  return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
-}
-
-[[noreturn]] void die(const std::string& what) {
-  throw std::runtime_error(what + ": " + std::strerror(errno));
-}
-
-// Empties the page cache; false where this process may not.
-bool drop_caches() {
-  ::sync();
-  const int fd = ::open("/proc/sys/vm/drop_caches", O_WRONLY | O_CLOEXEC);
-  if (fd < 0) return false;
-  const bool ok = ::write(fd, "3", 1) == 1;
-  ::close(fd);
-  return ok;
-}
-
-void plain_write(const fs::path& file, const std::byte* data, std::size_t size) {
-  const int fd = ::open(file.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) die("open " + file.string());
-  for (std::size_t done = 0; done < size;) {
-    const ::ssize_t w = ::write(fd, data + done, size - done);
-    if (w < 0 && errno == EINTR) continue;
-    if (w <= 0) die("write " + file.string());
-    done += static_cast<std::size_t>(w);
-  }
-  if (::fsync(fd) != 0) die("fsync " + file.string());
-  ::close(fd);
-}
-
-// Reads the whole file into a new buffer, which the caller frees (untimed).
-std::unique_ptr<std::byte[]> plain_read(const fs::path& file, std::size_t size) {
-  const int fd = ::open(file.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) die("open " + file.string());
-  auto buf = std::make_unique_for_overwrite<std::byte[]>(size);
-  for (std::size_t done = 0; done < size;) {
-    const ::ssize_t r = ::read(fd, buf.get() + done, size - done);
-    if (r < 0 && errno == EINTR) continue;
-    if (r <= 0) die("read " + file.string());
-    done += static_cast<std::size_t>(r);
-  }
-  ::close(fd);
-  return buf;
-}
-
-std::uint64_t shard_bytes(const fs::path& dir) {
-  std::uint64_t sum = 0;
-  for (const auto& e : fs::directory_iterator(dir))
-    if (e.path().filename().string().rfind("server-", 0) == 0) sum += e.file_size();
-  return sum;
-}
 
 struct Times {
   std::vector<double> save, write, restore_warm, read_warm, restore_cold, read_cold;

@@ -700,12 +700,15 @@ class DynamicTable {
       read_ = true;
       DynamicTable& t = *table_;
       const std::size_t row = detail::table_row_bytes(t.dim_, t.slots_);
-      const std::size_t block = std::max<std::size_t>(row, std::size_t{4} << 20);
-      const std::size_t per_block = block / row;
+      const std::size_t block = std::max<std::size_t>(row, std::size_t{4} << 20) / row * row;
+      // Rows looked at per hold of a stripe's lock: a push to the stripe
+      // waits for at most this many rows' copies (about 256 KiB).
+      const std::size_t per_lock = std::max<std::size_t>(1, (std::size_t{256} << 10) / row);
       std::vector<std::byte> buf;
-      buf.reserve(per_block * row);
+      buf.reserve(block);
       std::vector<Entry> entries;
-      auto hand_over = [&] {
+      auto hand_over = [&](std::size_t room) {  // when fewer than `room` bytes are left in the block
+        if (buf.size() + room <= block) return;
         if (stop && stop->load(std::memory_order_relaxed))
           throw checkpoint_error("psx: dynamic table '" + t.name_ + "': the save was called off");
         if (!buf.empty()) sink(buf);
@@ -716,35 +719,34 @@ class DynamicTable {
         {  // The ids stored now: those of the snapshot among them (the others, since removed, were copied)
           std::shared_lock lock(st.mu);
           entries.clear();
+          entries.reserve(st.count);
           for (const Entry& e : st.index)
             if (e.slot != empty_slot) entries.push_back(e);
         }
         for (std::size_t i = 0; i < entries.size();) {
-          {
-            std::shared_lock lock(st.mu);
-            StripeSnapshot& sn = *st.snap;
-            std::lock_guard taking(sn.mu);
-            for (; i < entries.size() && buf.size() + row <= per_block * row; ++i) {
-              const std::uint32_t slot = entries[i].slot;
-              const RowMeta& m = t.meta(st, slot);
-              // Changed or added after the snapshot, removed (the record
-              // free or another id's), or copied before it changed: not
-              // read here. A row at its version of the snapshot, in its
-              // record, is the snapshot's.
-              if (m.version > t.snap_version_ || sn.was_taken(slot)) continue;
-              const auto seen = sn.used_before.find(entries[i].key);
-              const std::uint64_t head[3] = {
-                  entries[i].key, m.updated,
-                  seen != sn.used_before.end() ? seen->second : m.used.load(std::memory_order_relaxed)};
-              const std::size_t at = buf.size();
-              buf.resize(at + row);
-              std::memcpy(buf.data() + at, head, sizeof head);
-              std::memcpy(buf.data() + at + sizeof head, t.record(st, slot), t.record_floats_ * sizeof(float));
-              if ((slot >> 6) >= sn.taken.size()) sn.taken.resize((slot >> 6) + 1);
-              sn.taken[slot >> 6] |= std::uint64_t{1} << (slot & 63);
-            }
+          hand_over(per_lock * row);
+          std::shared_lock lock(st.mu);
+          StripeSnapshot& sn = *st.snap;
+          std::lock_guard taking(sn.mu);
+          for (const std::size_t end = std::min(entries.size(), i + per_lock); i < end; ++i) {
+            const std::uint32_t slot = entries[i].slot;
+            const RowMeta& m = t.meta(st, slot);
+            // Changed or added after the snapshot, removed (the record
+            // free or another id's), or copied before it changed: not
+            // read here. A row at its version of the snapshot, in its
+            // record, is the snapshot's.
+            if (m.version > t.snap_version_ || sn.was_taken(slot)) continue;
+            const auto seen = sn.used_before.find(entries[i].key);
+            const std::uint64_t head[3] = {
+                entries[i].key, m.updated,
+                seen != sn.used_before.end() ? seen->second : m.used.load(std::memory_order_relaxed)};
+            const std::size_t at = buf.size();
+            buf.resize(at + row);
+            std::memcpy(buf.data() + at, head, sizeof head);
+            std::memcpy(buf.data() + at + sizeof head, t.record(st, slot), t.record_floats_ * sizeof(float));
+            if ((slot >> 6) >= sn.taken.size()) sn.taken.resize((slot >> 6) + 1);
+            sn.taken[slot >> 6] |= std::uint64_t{1} << (slot & 63);
           }
-          hand_over();
         }
         // Every row of the stripe read or copied: no more copies; then the copies.
         std::unique_ptr<StripeSnapshot> done;
@@ -752,14 +754,13 @@ class DynamicTable {
           std::unique_lock lock(st.mu);
           done = std::move(st.snap);
         }
-        const std::vector<std::byte>& before = done->before;
-        for (std::size_t at = 0; at < before.size(); at += per_block * row) {
-          const std::size_t n = std::min(per_block * row, before.size() - at);
-          buf.assign(before.begin() + static_cast<std::ptrdiff_t>(at),
-                     before.begin() + static_cast<std::ptrdiff_t>(at + n));
-          hand_over();
+        for (std::vector<std::byte>& part : done->before) {
+          hand_over(part.size());
+          buf.insert(buf.end(), part.begin(), part.end());
+          std::vector<std::byte>().swap(part);  // let go as soon as it is in the block
         }
       }
+      hand_over(block + 1);  // the last block
     }
 
    private:
@@ -1012,7 +1013,7 @@ class DynamicTable {
   // guards all of it; pulls and the snapshot's reader, which hold it for
   // reading only, take `mu` for `used_before` and `taken`.
   struct StripeSnapshot {
-    std::vector<std::byte> before;
+    std::vector<std::vector<std::byte>> before;  // in parts of up to 1 MiB: none is ever moved as it grows
     std::vector<std::uint64_t> taken;
     std::mutex mu;
     std::unordered_map<std::uint64_t, std::uint64_t> used_before;
@@ -1222,10 +1223,14 @@ class DynamicTable {
     const auto seen = sn.used_before.find(id);
     const std::uint64_t head[3] = {id, m.updated,
                                    seen != sn.used_before.end() ? seen->second : m.used.load(std::memory_order_relaxed)};
-    const std::size_t row = detail::table_row_bytes(dim_, slots_), at = sn.before.size();
-    sn.before.resize(at + row);
-    std::memcpy(sn.before.data() + at, head, sizeof head);
-    std::memcpy(sn.before.data() + at + sizeof head, record(st, slot), record_floats_ * sizeof(float));
+    const std::size_t row = detail::table_row_bytes(dim_, slots_);
+    if (sn.before.empty() || sn.before.back().size() + row > sn.before.back().capacity())
+      sn.before.emplace_back().reserve(std::max<std::size_t>(1, (std::size_t{1} << 20) / row) * row);
+    std::vector<std::byte>& part = sn.before.back();
+    const std::size_t at = part.size();
+    part.resize(at + row);
+    std::memcpy(part.data() + at, head, sizeof head);
+    std::memcpy(part.data() + at + sizeof head, record(st, slot), record_floats_ * sizeof(float));
     if ((slot >> 6) >= sn.taken.size()) sn.taken.resize((slot >> 6) + 1);  // (rows at the snapshot are below)
     sn.taken[slot >> 6] |= std::uint64_t{1} << (slot & 63);
     snap_copied_.fetch_add(row, std::memory_order_relaxed);

@@ -8,6 +8,7 @@
 
 #include <psx/concepts.hpp>
 #include <psx/detail/persist.hpp>
+#include <psx/detail/priority.hpp>
 #include <psx/detail/span.hpp>
 #include <psx/embedding.hpp>
 #include <psx/errors.hpp>
@@ -601,6 +602,7 @@ class Server final : public RequestHandler {
     BackgroundSave& saving = *b;
     const detail::PersistRequest where_to{r.reason, r.clock, index_};
     saving.writer = std::thread([&saving, where_to, save = hooks.save] {
+      detail::lower_this_thread();  // training first: the write takes the CPU time training leaves
       try {
         save(where_to, saving.shards, saving.tables);
       } catch (...) {

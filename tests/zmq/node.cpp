@@ -6,7 +6,7 @@
 //   psx_zmq_node [--steps N] [--pause-ms MS] [--peer-timeout-ms MS (default: the transport's)]
 //                [--optimizer sgd|adam|ftrl] [--restore DIR] [--save ROOT]
 //   psx_zmq_node --compare DIR1 DIR2
-//   psx_zmq_node ... --checkpoint DIR --every N [--ballast-mb M]   (the chaos test)
+//   psx_zmq_node ... --checkpoint DIR --every N [--ballast-mb M] [--background 1]   (the chaos test)
 //   psx_zmq_node ... --sync async   (Asynchronous instead of Synchronous: no comparison)
 //
 // With --restore every task restores the checkpoint DIR first (the clock
@@ -21,7 +21,9 @@
 // the end result with an undisturbed in-process run. It says "saving step
 // N" and "barrier at N" first, for tests/zmq/chaos.sh to aim its kills.
 // --ballast-mb declares a frozen variable of M MiB that every save writes
-// (a save long enough to be killed in).
+// (a save long enough to be killed in). --background 1: the manager saves in
+// the background (training goes on while the servers write), and the last
+// save is finished when training ends.
 //
 // Exit status: 0 when the run (and, for the chief, the comparison) passed;
 // 1 when the parameters differ; 3 when a psx error ended the run (printed).
@@ -53,6 +55,7 @@ struct Flags {
   int every = 10;
   int ballast_mb = 0;
   bool alone = false;  // --alone 1: no final barrier, no comparison (workers of unequal steps end in any order)
+  bool background = false;
   std::string sync = "bsp";  // or "async"
 };
 
@@ -100,7 +103,8 @@ int run(const Flags& f, const O& optimizer) {
     if (!f.checkpoint.empty())
       ckpt.emplace(cluster, psx::checkpoint::Options{.directory = f.checkpoint,
                                                      .every_steps = static_cast<std::uint64_t>(f.every),
-                                                     .max_to_keep = 3});
+                                                     .max_to_keep = 3,
+                                                     .background = f.background});
     cluster.run([&](psx::Worker& w) {
       if (!f.restore.empty()) psx::checkpoint::restore(cluster, w, f.restore);
       std::uint64_t start = 0;
@@ -135,6 +139,7 @@ int run(const Flags& f, const O& optimizer) {
         }
         std::this_thread::sleep_for(std::chrono::milliseconds(f.pause_ms));
       }, !f.alone);
+      if (ckpt) ckpt->finish(w);  // a background save still pending
       if (!f.save.empty()) {
         const auto info = psx::checkpoint::save(cluster, w, f.save);
         if (w.is_chief()) std::printf("%s: saved %s\n", role.c_str(), info.path.c_str());
@@ -191,6 +196,7 @@ int main(int argc, char** argv) {
       else if (flag == "--every") f.every = std::max(1, std::atoi(argv[i + 1]));
       else if (flag == "--ballast-mb") f.ballast_mb = std::atoi(argv[i + 1]);
       else if (flag == "--alone") f.alone = std::atoi(argv[i + 1]) != 0;
+      else if (flag == "--background") f.background = std::atoi(argv[i + 1]) != 0;
       else if (flag == "--sync" && (std::string(argv[i + 1]) == "bsp" || std::string(argv[i + 1]) == "async")) f.sync = argv[i + 1];
       else {
         std::fprintf(stderr, "psx_zmq_node: unknown flag %s\n", argv[i]);
