@@ -26,8 +26,12 @@
 //            What every way must still do: floor / map is about the most
 //            a table doing the same sums and updates could gain over the
 //            map in this stream.
-// Throughput is ids per second of pull and of push, summed over threads;
-// the goal (issue 9) is the cluster at 3x the map or better. This machine's
+// Throughput is ids per second of pull and of push, summed over threads.
+// The goal (issue 35): the table's pull and push within 1.2x of the floor
+// measured in the same run (floor / table <= 1.2); the cluster's ratio to
+// the floor is printed beside it. The old goal (issue 9), the cluster at 3x
+// the map, was beyond any table (the floor itself is under 3x the map from
+// one thread); each way's ratio to the map is still printed. This machine's
 // figures move from run to run (a shared virtual machine), so each
 // configuration runs each way `rounds` times and prints the medians; each
 // round of the first three starts with another of them, since one that
@@ -350,9 +354,17 @@ int main(int argc, char** argv) {
     distinct = static_cast<std::size_t>(std::unique(sorted.begin(), sorted.end()) - sorted.begin());
   }
   std::printf("%zu distinct ids in the 2-thread stream\n\n", distinct);
-  std::printf("%-4s %-7s | %-21s | %-21s | %-21s | %-13s | %-21s | %-13s | %s\n", "dim", "threads", "map pull/push",
-              "table pull/push", "cluster pull/push", "cluster / map", "floor pull/push", "floor / map",
-              "bytes/row: ideal map table");
+  // Per configuration: the rates, each way's speed over the map (the old
+  // goal: the cluster at 3x), and the floor's rate over the table's and the
+  // cluster's, a slowdown (the goal: the table within 1.2x of the floor).
+  std::printf("%-4s %-7s | %-17s | %-17s | %-17s | %-17s | %-13s | %-13s | %-13s | %-13s | %-13s | %s\n", "dim",
+              "threads", "map pull/push", "table pull/push", "cluster pull/push", "floor pull/push", "table / map",
+              "cluster / map", "floor / map", "floor / table", "floor / clust.", "bytes/row: ideal map table");
+  struct Verdict {
+    std::size_t dim, threads;
+    double table_pull, table_push, cluster_pull, cluster_push;  // floor / way
+  };
+  std::vector<Verdict> verdicts;
   for (const std::size_t dim : {16, 64}) {
     for (const std::size_t threads : {1, 2}) {
       std::vector<std::vector<std::uint64_t>> ids(threads);
@@ -372,17 +384,35 @@ int main(int argc, char** argv) {
           }
       for (std::size_t r = 0; r < rounds; ++r) floors.push_back(run_ideal(ids, dim));
       const Rates map = median(maps), table = median(tables), cluster = median(clusters), floor = median(floors);
-      std::printf("%-4zu %-7zu | %9.2f %9.2f   | %9.2f %9.2f   | %9.2f %9.2f   | %5.2fx %5.2fx | %9.2f %9.2f   | "
-                  "%5.2fx %5.2fx | %zu %.0f %.0f\n",
+      std::printf("%-4zu %-7zu | %7.2f %7.2f   | %7.2f %7.2f   | %7.2f %7.2f   | %7.2f %7.2f   | %5.2fx %5.2fx | "
+                  "%5.2fx %5.2fx | %5.2fx %5.2fx | %5.2fx %5.2fx | %5.2fx %5.2fx | %zu %.0f %.0f\n",
                   dim, threads, map.pull / 1e6, map.push / 1e6, table.pull / 1e6, table.push / 1e6, cluster.pull / 1e6,
-                  cluster.push / 1e6, cluster.pull / map.pull, cluster.push / map.push, floor.pull / 1e6,
-                  floor.push / 1e6, floor.pull / map.pull, floor.push / map.push, dim * 8, map.bytes_per_row,
+                  cluster.push / 1e6, floor.pull / 1e6, floor.push / 1e6, table.pull / map.pull, table.push / map.push,
+                  cluster.pull / map.pull, cluster.push / map.push, floor.pull / map.pull, floor.push / map.push,
+                  floor.pull / table.pull, floor.push / table.push,
+                  floor.pull / cluster.pull, floor.push / cluster.push, dim * 8, map.bytes_per_row,
                   table.bytes_per_row);
+      std::fflush(stdout);
+      verdicts.push_back({dim, threads, floor.pull / table.pull, floor.push / table.push, floor.pull / cluster.pull,
+                          floor.push / cluster.push});
     }
+  }
+  // The goal, per configuration: the table's pull and push take at most
+  // 1.2x the floor's time (the floor's rate / the table's <= 1.2).
+  constexpr double kGoal = 1.2;
+  std::printf("\ngoal: the table's pull and push within %.1fx of the floor (floor / table <= %.1fx), the cluster's "
+              "printed beside it:\n",
+              kGoal, kGoal);
+  for (const Verdict& v : verdicts) {
+    auto mark = [&](double r) { return r <= kGoal ? "met" : "NOT met"; };
+    std::printf("  dim %-3zu %zu thread%s: table pull %.2fx %s, push %.2fx %s; cluster pull %.2fx %s, push %.2fx %s\n",
+                v.dim, v.threads, v.threads == 1 ? " " : "s", v.table_pull, mark(v.table_pull), v.table_push,
+                mark(v.table_push), v.cluster_pull, mark(v.cluster_pull), v.cluster_push, mark(v.cluster_push));
   }
   std::ostringstream transport;
   transport << cluster_transport();
-  std::printf("\ngoal: cluster / map >= 3x (pull and push); the cluster ran with %s\n"
+  std::printf("\nthe old goal (issue 9): cluster / map >= 3x (beyond any table here: see floor / map); the cluster ran "
+              "with %s\n"
               "floor: no lookup at all (ids numbered beforehand, a private flat array per thread), the same copies,\n"
               "initial values, duplicate sums and updates; floor / map is about the most a table doing the same\n"
               "sums and updates could gain here\n",

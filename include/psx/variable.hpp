@@ -196,7 +196,9 @@ struct TableOptions {
   std::uint64_t ttl_sweep_steps = 0;
   //! Bytes each server may hold for this table: rows, slots, index and
   //! sketch (0: no cap). A server at its cap evicts its least recently used
-  //! rows (pulled or pushed) to store new ones.
+  //! rows (pulled or pushed) to store new ones. Outside it: the removal log
+  //! (`removal_log_limit`, about 48 bytes a removal) and the calling
+  //! threads' working memory (docs/embedding.md, "Resident memory").
   std::uint64_t memory_cap_bytes = 0;
   //! Points per server on the consistent-hash ring that places ids (1024:
   //! adding a server moves within 6% of 1/(n+1) of the ids for n <= 32).
@@ -206,6 +208,7 @@ struct TableOptions {
   //! Removals remembered for delta exports, per server (split over the
   //! stripes, at least one each); beyond it a stripe forgets its oldest
   //! half, and a delta from before them is refused (0: none remembered).
+  //! Outside `memory_cap_bytes`: 1M removals hold up to 48 MiB per server.
   std::uint64_t removal_log_limit = 1u << 20;
 
   friend bool operator==(const TableOptions&, const TableOptions&) = default;
