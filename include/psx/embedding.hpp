@@ -702,11 +702,13 @@ class DynamicTable {
       const std::size_t row = detail::table_row_bytes(t.dim_, t.slots_);
       const std::size_t block = std::max<std::size_t>(row, std::size_t{4} << 20) / row * row;
       // Rows looked at per hold of a stripe's lock: a push to the stripe
-      // waits for at most this many rows' copies (about 256 KiB).
-      const std::size_t per_lock = std::max<std::size_t>(1, (std::size_t{256} << 10) / row);
+      // waits for at most this many rows' copies (about 16 KiB; with 256
+      // KiB, a table of 5M rows pushed 4096 ids a step from another thread
+      // took steps 2-3 times longer while it was read, with 16 KiB about
+      // 1.4 times: bench_table_save).
+      const std::size_t per_lock = std::max<std::size_t>(1, (std::size_t{16} << 10) / row);
       std::vector<std::byte> buf;
       buf.reserve(block);
-      std::vector<Entry> entries;
       auto hand_over = [&](std::size_t room) {  // when fewer than `room` bytes are left in the block
         if (buf.size() + room <= block) return;
         if (stop && stop->load(std::memory_order_relaxed))
@@ -714,50 +716,70 @@ class DynamicTable {
         if (!buf.empty()) sink(buf);
         buf.clear();
       };
-      for (std::uint32_t k = 0; k < t.options_.stripes; ++k) {
-        Stripe& st = t.stripes_[k];
-        {  // The ids stored now: those of the snapshot among them (the others, since removed, were copied)
+      // A few stripes at a time, a batch of each in turn: a lock taken
+      // again as soon as it was let go keeps a push that waits for it
+      // waiting (glibc's locks let the running thread in first), for a
+      // whole stripe (steps of 12 ms instead of 1 while a save was read).
+      constexpr std::uint32_t kTogether = 8;
+      std::vector<Entry> entries[kTogether];
+      std::size_t next[kTogether] = {};
+      for (std::uint32_t first = 0; first < t.options_.stripes; first += kTogether) {
+        const std::uint32_t n = std::min(kTogether, t.options_.stripes - first);
+        for (std::uint32_t j = 0; j < n; ++j) {  // the ids stored now: the snapshot's among them (the others, since removed, were copied)
+          const Stripe& st = t.stripes_[first + j];
           std::shared_lock lock(st.mu);
-          entries.clear();
-          entries.reserve(st.count);
+          entries[j].clear();
+          entries[j].reserve(st.count);
           for (const Entry& e : st.index)
-            if (e.slot != empty_slot) entries.push_back(e);
+            if (e.slot != empty_slot) entries[j].push_back(e);
+          next[j] = 0;
         }
-        for (std::size_t i = 0; i < entries.size();) {
-          hand_over(per_lock * row);
-          std::shared_lock lock(st.mu);
-          StripeSnapshot& sn = *st.snap;
-          std::lock_guard taking(sn.mu);
-          for (const std::size_t end = std::min(entries.size(), i + per_lock); i < end; ++i) {
-            const std::uint32_t slot = entries[i].slot;
-            const RowMeta& m = t.meta(st, slot);
-            // Changed or added after the snapshot, removed (the record
-            // free or another id's), or copied before it changed: not
-            // read here. A row at its version of the snapshot, in its
-            // record, is the snapshot's.
-            if (m.version > t.snap_version_ || sn.was_taken(slot)) continue;
-            const auto seen = sn.used_before.find(entries[i].key);
-            const std::uint64_t head[3] = {
-                entries[i].key, m.updated,
-                seen != sn.used_before.end() ? seen->second : m.used.load(std::memory_order_relaxed)};
-            const std::size_t at = buf.size();
-            buf.resize(at + row);
-            std::memcpy(buf.data() + at, head, sizeof head);
-            std::memcpy(buf.data() + at + sizeof head, t.record(st, slot), t.record_floats_ * sizeof(float));
-            if ((slot >> 6) >= sn.taken.size()) sn.taken.resize((slot >> 6) + 1);
-            sn.taken[slot >> 6] |= std::uint64_t{1} << (slot & 63);
+        for (bool more = true; more;) {
+          more = false;
+          for (std::uint32_t j = 0; j < n; ++j) {
+            if (next[j] == entries[j].size()) continue;
+            hand_over(per_lock * row);
+            Stripe& st = t.stripes_[first + j];
+            // For writing, though it only reads: pulls wait for one batch.
+            std::unique_lock lock(st.mu);
+            StripeSnapshot& sn = *st.snap;
+            const std::vector<Entry>& es = entries[j];
+            std::size_t& i = next[j];
+            for (const std::size_t end = std::min(es.size(), i + per_lock); i < end; ++i) {
+              const std::uint32_t slot = es[i].slot;
+              const RowMeta& m = t.meta(st, slot);
+              // Changed or added after the snapshot, removed (the record
+              // free or another id's), or copied before it changed: not
+              // read here. A row at its version of the snapshot, in its
+              // record, is the snapshot's.
+              if (m.version > t.snap_version_ || sn.was_taken(slot)) continue;
+              const auto seen = sn.used_before.find(es[i].key);
+              const std::uint64_t head[3] = {
+                  es[i].key, m.updated,
+                  seen != sn.used_before.end() ? seen->second : m.used.load(std::memory_order_relaxed)};
+              const std::size_t at = buf.size();
+              buf.resize(at + row);
+              std::memcpy(buf.data() + at, head, sizeof head);
+              std::memcpy(buf.data() + at + sizeof head, t.record(st, slot), t.record_floats_ * sizeof(float));
+              if ((slot >> 6) >= sn.taken.size()) sn.taken.resize((slot >> 6) + 1);
+              sn.taken[slot >> 6] |= std::uint64_t{1} << (slot & 63);
+            }
+            more = more || i < es.size();
           }
         }
-        // Every row of the stripe read or copied: no more copies; then the copies.
-        std::unique_ptr<StripeSnapshot> done;
-        {
-          std::unique_lock lock(st.mu);
-          done = std::move(st.snap);
-        }
-        for (std::vector<std::byte>& part : done->before) {
-          hand_over(part.size());
-          buf.insert(buf.end(), part.begin(), part.end());
-          std::vector<std::byte>().swap(part);  // let go as soon as it is in the block
+        for (std::uint32_t j = 0; j < n; ++j) {
+          // Every row of the stripe read or copied: no more copies; then the copies.
+          Stripe& st = t.stripes_[first + j];
+          std::unique_ptr<StripeSnapshot> done;
+          {
+            std::unique_lock lock(st.mu);
+            done = std::move(st.snap);
+          }
+          for (std::vector<std::byte>& part : done->before) {
+            hand_over(part.size());
+            buf.insert(buf.end(), part.begin(), part.end());
+            std::vector<std::byte>().swap(part);  // let go as soon as it is in the block
+          }
         }
       }
       hand_over(block + 1);  // the last block
@@ -1010,8 +1032,8 @@ class DynamicTable {
   // last use of rows a pull touched meanwhile (the LRU clock, under a cap).
   // `taken`: a bit per record slot, set when the snapshot read the row
   // there (a row read needs no copy). The stripe's lock for writing
-  // guards all of it; pulls and the snapshot's reader, which hold it for
-  // reading only, take `mu` for `used_before` and `taken`.
+  // guards all of it (the snapshot's reader takes it so); pulls, which
+  // hold it for reading only, take `mu` for `used_before` and `taken`.
   struct StripeSnapshot {
     std::vector<std::vector<std::byte>> before;  // in parts of up to 1 MiB: none is ever moved as it grows
     std::vector<std::uint64_t> taken;
