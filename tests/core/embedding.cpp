@@ -13,7 +13,10 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
+#include <memory>
+#include <optional>
 #include <random>
 #include <set>
 #include <sstream>
@@ -1111,4 +1114,110 @@ TEST_CASE("embedding: evictions in the middle of a push leave every other row's 
     CHECK(t.stats().evicted_memory > 1000);
     CHECK(t.stats().bytes <= o.memory_cap_bytes);
   }
+}
+
+namespace {
+
+// Every page of `t`'s export from `since` (empty: full), `capacity` entries
+// a page, gathered into one export; between two pages `between()` runs
+// (changes of the table). Checks that no id comes twice.
+template <class Between>
+psx::TableExport paged(const DynamicTable<psx::optim::SGD>& t, const psx::TableCursor& since, std::size_t capacity,
+                       Between&& between) {
+  psx::TableExport out;
+  out.dim = t.dim();
+  std::vector<float> page(capacity * (2 + t.dim()));
+  std::optional<std::uint64_t> after;
+  for (std::size_t pages = 0;; ++pages) {
+    REQUIRE(pages < 100000);
+    const psx::TablePage p = t.export_page(since, after, page);
+    REQUIRE(p.rows + p.removed <= capacity);
+    if (pages == 0) out.cursor = {{p.incarnation}, {p.version}};
+    const auto* bytes = reinterpret_cast<const std::byte*>(page.data());
+    for (std::size_t k = 0; k < p.rows + p.removed; ++k) {
+      std::uint64_t id;
+      std::memcpy(&id, bytes + k * sizeof id, sizeof id);
+      (k < p.rows ? out.ids : out.removed).push_back(id);
+    }
+    out.values.insert(out.values.end(), page.begin() + static_cast<std::ptrdiff_t>(2 * capacity),
+                      page.begin() + static_cast<std::ptrdiff_t>(2 * capacity + p.rows * t.dim()));
+    if (!p.more) break;
+    REQUIRE((!after || p.next > *after));  // each page moves on
+    after = p.next;
+    between();
+  }
+  const std::set<std::uint64_t> rows(out.ids.begin(), out.ids.end()), gone(out.removed.begin(), out.removed.end());
+  CHECK(rows.size() == out.ids.size());
+  CHECK(gone.size() == out.removed.size());
+  return out;
+}
+
+std::vector<std::uint64_t> sorted_ids(std::vector<std::uint64_t> v) {
+  std::sort(v.begin(), v.end());
+  return v;
+}
+
+}  // namespace
+
+TEST_CASE("embedding: an export in pages holds what one export holds, whatever the page size") {
+  const psx::optim::SGD sgd{.lr = 0.5};
+  TableOptions o;
+  o.stripes = 4;
+  o.ttl_steps = 3;
+  o.ttl_sweep_steps = 1000;  // swept by hand below
+  DynamicTable<psx::optim::SGD> t("t", 3, psx::Initializer::uniform(-1.0f, 1.0f, 5), o, sgd);
+  std::vector<std::uint64_t> ids;
+  for (std::uint64_t k = 0; k < 300; ++k) ids.push_back(psx::detail::mix64(k) | (k % 3 == 0 ? 1ull << 63 : 0));
+  push(t, sgd, ids, 0.1f, 1, 3);
+  const psx::TableExport whole = t.export_rows();
+  for (const std::size_t capacity : {1, 2, 7, 64, 299, 300, 1000}) {
+    INFO("capacity " << capacity);
+    const psx::TableExport e = paged(t, {}, capacity, [] {});
+    CHECK(e.sorted() == whole.sorted());
+    CHECK(e.cursor == whole.cursor);
+  }
+  // A delta: rows changed and ids removed since the cursor.
+  push(t, sgd, std::vector<std::uint64_t>(ids.begin(), ids.begin() + 40), 0.2f, 5, 3);
+  push(t, sgd, {1, 2, 3}, 0.3f, 5, 3);
+  CHECK(t.expire(5) == 260);  // updated at step 1: more than 3 steps before 5
+  const psx::TableExport delta = t.export_rows(whole.cursor);
+  REQUIRE(delta.removed.size() == 260);
+  for (const std::size_t capacity : {1, 5, 100, 1000}) {
+    INFO("capacity " << capacity);
+    const psx::TableExport e = paged(t, whole.cursor, capacity, [] {});
+    CHECK(e.sorted() == delta.sorted());
+    CHECK(sorted_ids(e.removed) == sorted_ids(delta.removed));
+  }
+  // Refused as a whole export refuses, and a page without room for a row.
+  std::vector<float> fifty(50);
+  CHECK_THROWS_AS(t.export_page(psx::TableCursor{{t.incarnation() + 1}, {0}}, {}, fifty), psx::checkpoint_error);
+  CHECK_THROWS_AS(t.export_page(psx::TableCursor{{t.incarnation()}, {t.version() + 1}}, {}, fifty),
+                  psx::checkpoint_error);
+  std::vector<float> small(4);
+  CHECK_THROWS_WITH_AS(t.export_page({}, {}, small), doctest::Contains("has no room for one row"), psx::shape_error);
+}
+
+TEST_CASE("embedding: a table that changes between the pages of an export: its next delta completes it") {
+  const psx::optim::SGD sgd{.lr = 0.5};
+  TableOptions o;
+  o.stripes = 8;
+  o.ttl_steps = 4;
+  o.ttl_sweep_steps = 1;
+  DynamicTable<psx::optim::SGD> t("t", 2, psx::Initializer::uniform(-1.0f, 1.0f, 9), o, sgd);
+  std::uint64_t step = 1;
+  auto train = [&] {  // new ids, old ones updated, some expiring
+    std::vector<std::uint64_t> ids;
+    for (std::uint64_t k = 0; k < 30; ++k) ids.push_back(psx::detail::mix64(step * 7 + k % 11) % 500);
+    push(t, sgd, ids, 0.01f * static_cast<float>(step % 5), step, 2);
+    ++step;
+  };
+  for (int k = 0; k < 10; ++k) train();
+  psx::TableExport serving = paged(t, {}, 8, train);  // a step of training between every two pages
+  for (int round = 0; round < 5; ++round) {
+    serving.merge(paged(t, serving.cursor, 5, train));
+    CHECK(std::set<std::uint64_t>(serving.ids.begin(), serving.ids.end()).size() == serving.ids.size());
+  }
+  serving.merge(paged(t, serving.cursor, 5, [] {}));  // idle now
+  CHECK(serving.sorted() == t.export_rows().sorted());
+  CHECK(step > 40);
 }
