@@ -203,6 +203,17 @@ struct TableExport {
   }
 };
 
+//! One page of an export (`DynamicTable::export_page`): what a server
+//! answers when the rows of its part travel in messages of bounded size.
+struct TablePage {
+  std::uint64_t incarnation = 0;  //!< the table's when the page was taken
+  std::uint64_t version = 0;      //!< the table's version, read before the page's rows
+  std::size_t rows = 0;           //!< rows written (their ids first, then their floats)
+  std::size_t removed = 0;        //!< removed ids written after the rows' ids (a delta)
+  std::uint64_t next = 0;         //!< where the next page starts: after this id hash
+  bool more = false;              //!< rows or removed ids may follow: ask for the page after `next`
+};
+
 namespace detail {
 
 // A count-min sketch of 8-bit saturating counters with conservative update
@@ -518,7 +529,92 @@ class DynamicTable {
   //! removed after it. Throws checkpoint_error for a cursor of another
   //! table or from its future, and for a delta from before the oldest
   //! removal remembered (take a full export instead).
-  TableExport export_rows(const TableCursor& since = {}) const {
+  TableExport export_rows(const TableCursor& since = {}) const { return export_since(delta_base(since)); }
+
+  //! One page of an export (`export_rows` in pieces of bounded size, for a
+  //! server answering over a transport): the rows, and with a cursor the
+  //! removed ids, whose id hashes come after `after` (none: from the
+  //! first), in increasing hash order, as many as `out` holds. `out` holds
+  //! `capacity = out.size() / (2 + dim)` entries: an id region of
+  //! `capacity` u64 (each written as the bits of two floats: the rows' ids,
+  //! then the removed ids), then the rows' floats (`capacity * dim`). A row
+  //! or a removed id counts as one entry. Ask again from `next` while
+  //! `more`. The pages of one export, taken while the table changes, hold
+  //! what one `export_rows` would: each id once, and every row changed
+  //! after the first page's `version` is in the pages or in the next
+  //! delta from it. Throws as `export_rows`, and shape_error for an `out`
+  //! without room for one entry.
+  TablePage export_page(const TableCursor& since, std::optional<std::uint64_t> after, std::span<float> out) const {
+    const std::size_t capacity = out.size() / (2 + dim_);
+    if (capacity == 0)
+      throw shape_error("psx: dynamic table '" + name_ + "': an export page of " + std::to_string(out.size()) +
+                        " floats has no room for one row of " + std::to_string(dim_) + " floats and its id");
+    const std::optional<std::uint64_t> from = delta_base(since);
+    TablePage page;
+    // Read first, as export_since does: a change after it has a higher version.
+    page.incarnation = incarnation();
+    page.version = version();
+    auto* ids = reinterpret_cast<std::byte*>(out.data());
+    float* values = out.data() + 2 * capacity;
+    std::vector<std::uint64_t> gone;  // removed ids, written after the rows' ids
+    struct Found {
+      std::uint64_t hash;
+      std::uint64_t id;
+      std::uint32_t slot;  // empty_slot: a removed id
+    };
+    std::vector<Found> found;
+    std::size_t taken = 0;
+    for (std::uint32_t s = after ? static_cast<std::uint32_t>(stripe_of(*after)) : 0; s < options_.stripes; ++s) {
+      if (taken == capacity) {  // full at a stripe's end: more may follow
+        page.more = true;
+        break;
+      }
+      const Stripe& st = stripes_[s];
+      std::shared_lock lock(st.mu);
+      if (from && *from < st.removed_floor)
+        throw checkpoint_error("psx: dynamic table '" + name_ + "': a delta since version " + std::to_string(*from) +
+                               ", but removals up to version " + std::to_string(st.removed_floor) +
+                               " are forgotten (removal_log_limit); take a full export");
+      found.clear();
+      for (const Entry& e : st.index) {
+        if (e.slot == empty_slot || (from && meta(st, e.slot).version <= *from)) continue;
+        const std::uint64_t h = hash(e.key);
+        if (!after || h > *after) found.push_back({h, e.key, e.slot});
+      }
+      if (from)
+        for (const auto& [id, v] : st.removed) {
+          const std::uint64_t h = hash(id);
+          if (v > *from && (!after || h > *after)) found.push_back({h, id, empty_slot});
+        }
+      // Full before the stripe's end: its smallest hashes now, the rest later.
+      if (found.size() > capacity - taken) {
+        const auto cut = found.begin() + static_cast<std::ptrdiff_t>(capacity - taken);
+        std::nth_element(found.begin(), cut - 1, found.end(), [](const Found& a, const Found& b) { return a.hash < b.hash; });
+        found.erase(cut, found.end());
+        page.more = true;
+      }
+      for (const Found& f : found) {
+        page.next = std::max(page.next, f.hash);
+        if (f.slot == empty_slot) {
+          gone.push_back(f.id);
+          continue;
+        }
+        std::memcpy(ids + page.rows * sizeof f.id, &f.id, sizeof f.id);
+        copy_row(values + page.rows * dim_, record(st, f.slot));
+        ++page.rows;
+      }
+      taken += found.size();
+      if (page.more) break;
+    }
+    if (!gone.empty()) std::memcpy(ids + page.rows * sizeof(std::uint64_t), gone.data(), gone.size() * sizeof(std::uint64_t));
+    page.removed = gone.size();
+    return page;
+  }
+
+ private:
+  // The version a delta from `since` starts after (none: a full export);
+  // checkpoint_error for a cursor of another table or from its future.
+  std::optional<std::uint64_t> delta_base(const TableCursor& since) const {
     std::optional<std::uint64_t> from;
     if (!since.empty()) {
       if (since.version.size() != 1 || since.incarnation.size() != 1 || since.incarnation[0] != incarnation())
@@ -531,10 +627,9 @@ class DynamicTable {
                                std::to_string(since.version[0]) + ", beyond its version " + std::to_string(version()));
       from = since.version[0];
     }
-    return export_since(from);
+    return from;
   }
 
- private:
   TableExport export_since(std::optional<std::uint64_t> since) const {
     TableExport out;
     out.dim = dim_;

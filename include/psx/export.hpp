@@ -2,7 +2,9 @@
 //! Export for inference: parameters only (trainable and frozen, no optimizer
 //! slots) with metadata, in a versioned directory `base/<version>/` that
 //! appears whole (written under a temporary name, renamed), the layout
-//! TensorFlow Serving watches. Each version holds the same tensors three
+//! TensorFlow Serving watches. A dynamic table is two tensors: its rows
+//! (`name`, [rows, dim], sorted by id, stored like any variable's) and
+//! their ids (`name.ids`, uint64, ascending). Each version holds the same tensors three
 //! ways: `model.psx` (psx's own, checksummed; what `load_export` reads),
 //! `model.npz` (`numpy.load`) and `model.safetensors` (the `safetensors`
 //! package), plus `metadata.json`. The formats are in docs/formats.md.
@@ -21,6 +23,7 @@
 
 #include <psx/checkpoint.hpp>
 #include <psx/detail/crc32c.hpp>
+#include <psx/embedding.hpp>
 #include <psx/errors.hpp>
 #include <psx/half.hpp>
 #include <psx/quantize.hpp>
@@ -107,7 +110,7 @@ struct ExportOptions {
 struct ExportedTensor {
   std::string name;
   std::vector<std::uint64_t> shape;
-  std::string dtype = "float32";     //!< "float32", "float16", "bfloat16" or "int8"
+  std::string dtype = "float32";     //!< "float32", "float16", "bfloat16", "int8", or "uint64" (a table's ids)
   std::string quantization = "none"; //!< "none", "per_tensor" or "per_channel"
   std::vector<float> scales;         //!< int8: one, or one per row
   bool trainable = true;
@@ -122,8 +125,11 @@ struct ExportedTensor {
   }
   //! Floats per row (int8 per-channel groups): the product of all but the first extent.
   std::uint64_t row_width() const noexcept { return shape.size() < 2 ? elements() : elements() / std::max<std::uint64_t>(shape[0], 1); }
-  //! The tensor as dense float32 (int8 dequantized, 16-bit widened, zeros filled in).
+  //! The tensor as dense float32 (int8 dequantized, 16-bit widened, zeros
+  //! filled in); config_error for a uint64 tensor (`to_ids`).
   std::vector<float> to_float() const;
+  //! A uint64 tensor's elements (a dynamic table's ids); config_error for another dtype.
+  std::vector<std::uint64_t> to_ids() const;
 };
 
 //! What `metadata.json` says, and `load_export` returns.
@@ -171,7 +177,7 @@ struct Export {
 };
 
 struct LoadOptions {
-  //! Return every tensor as dense float32 (int8 dequantized).
+  //! Return every tensor as dense float32 (int8 dequantized); a table's ids stay uint64.
   bool dequantize = false;
 };
 
@@ -180,17 +186,52 @@ namespace detail::exports {
 namespace fs = std::filesystem;
 namespace ck = ::psx::checkpoint::detail;
 
-inline constexpr std::uint32_t format_version = 1;
+// The newest export format written: 1, fixed-size variables; 2 adds the
+// dynamic tables (their ids, the dtype uint64). An export is written in
+// the oldest format that holds it, so one without a table stays readable
+// by a psx that reads format 1 only.
+inline constexpr std::uint32_t format_version = 2;
 
-inline std::size_t dtype_bytes(const std::string& d) { return d == "float32" ? 4 : d == "int8" ? 1 : 2; }
+inline std::size_t dtype_bytes(const std::string& d) {
+  return d == "float32" ? 4 : d == "int8" ? 1 : d == "uint64" ? 8 : 2;
+}
 
-// A variable's values, as read from the cluster or a checkpoint.
+// A variable's values, as read from the cluster or a checkpoint; a dynamic
+// table's rows ([rows, dim]) sorted by id, with `ids` ascending.
 struct Source {
   std::string name;
   std::vector<std::uint64_t> shape;
   bool trainable = true;
   std::vector<float> values;
+  bool table = false;
+  std::vector<std::uint64_t> ids;
 };
+
+// A table's export (TableExport, in no order) as a Source: rows sorted by id.
+inline Source table_source(const std::string& name, bool trainable, const TableExport& e) {
+  std::vector<std::size_t> order(e.ids.size());
+  for (std::size_t k = 0; k < order.size(); ++k) order[k] = k;
+  std::sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) { return e.ids[a] < e.ids[b]; });
+  Source s{name, {e.ids.size(), e.dim}, trainable, std::vector<float>(e.values.size()), true,
+           std::vector<std::uint64_t>(e.ids.size())};
+  for (std::size_t k = 0; k < order.size(); ++k) {
+    s.ids[k] = e.ids[order[k]];
+    if (e.dim) std::memcpy(s.values.data() + k * e.dim, e.values.data() + order[k] * e.dim, e.dim * sizeof(float));
+  }
+  return s;
+}
+
+// A table's ids as a tensor of their own (`name.ids`).
+inline ExportedTensor ids_tensor(const Source& s) {
+  ExportedTensor t;
+  t.name = s.name + ".ids";
+  t.shape = {s.ids.size()};
+  t.dtype = "uint64";
+  t.trainable = s.trainable;
+  t.values.resize(s.ids.size() * sizeof(std::uint64_t));
+  if (!s.ids.empty()) std::memcpy(t.values.data(), s.ids.data(), t.values.size());
+  return t;
+}
 
 inline bool matches(const std::vector<std::string>& patterns, const std::string& name) {
   return std::any_of(patterns.begin(), patterns.end(),
@@ -292,7 +333,7 @@ inline std::string encode_index(const std::vector<ExportedTensor>& tensors, std:
 //! Parses a model.psx index and takes each tensor's bytes from `data`;
 //! throws checkpoint_error (the fuzz target calls this).
 inline std::vector<ExportedTensor> decode_model(std::span<const std::byte> meta, std::span<const std::byte> data,
-                                                const fs::path& file) {
+                                                const fs::path& file, std::uint32_t version = format_version) {
   std::vector<ExportedTensor> out;
   std::uint64_t at = 0;
   auto bounded = [&](std::uint64_t n, std::uint64_t each, const char* what) {
@@ -322,8 +363,11 @@ inline std::vector<ExportedTensor> decode_model(std::span<const std::byte> meta,
       if (trainable > 1 || sparse > 1) ck::fail(file, what + ": a flag byte that is neither 0 nor 1");
       t.trainable = trainable == 1;
       t.sparse = sparse == 1;
-      if (t.dtype != "float32" && t.dtype != "float16" && t.dtype != "bfloat16" && t.dtype != "int8")
-        ck::fail(file, what + ": unknown dtype '" + t.dtype + "'");
+      if (t.dtype != "float32" && t.dtype != "float16" && t.dtype != "bfloat16" && t.dtype != "int8" &&
+          (t.dtype != "uint64" || version < 2))
+        ck::fail(file, what + ": unknown dtype '" + t.dtype + "'" +
+                           (t.dtype == "uint64" ? " in export format " + std::to_string(version) : std::string()));
+      if (t.dtype == "uint64" && t.sparse) ck::fail(file, what + ": a uint64 tensor stored sparsely");
       std::uint64_t elements = 1;
       for (auto e : t.shape) {
         if (e != 0 && elements > (std::uint64_t{1} << 60) / e) ck::fail(file, what + ": a shape that overflows");
@@ -362,9 +406,10 @@ inline std::vector<ExportedTensor> decode_model(std::span<const std::byte> meta,
   return out;
 }
 
-inline void write_model(const fs::path& file, const std::vector<ExportedTensor>& tensors, std::uint64_t step) {
+inline void write_model(const fs::path& file, const std::vector<ExportedTensor>& tensors, std::uint64_t step,
+                        std::uint32_t version) {
   ck::Header h;
-  h.version = format_version;
+  h.version = version;
   h.kind = ck::FileKind::exported;
   h.step = step;
   const std::string index = encode_index(tensors, h.data_bytes);
@@ -481,7 +526,11 @@ class ZipWriter {
 };
 
 inline const char* npy_descr(const std::string& dtype) {
-  return dtype == "float32" ? "<f4" : dtype == "float16" ? "<f2" : dtype == "int8" ? "|i1" : "<u2";  // bfloat16: its bits
+  return dtype == "float32" ? "<f4"
+         : dtype == "float16" ? "<f2"
+         : dtype == "int8"    ? "|i1"
+         : dtype == "uint64"  ? "<u8"
+                              : "<u2";  // bfloat16: its bits
 }
 
 // Whether `name`, as a zip member's path, could be written outside the
@@ -539,7 +588,9 @@ inline void write_safetensors(const fs::path& file, const std::vector<ExportedTe
     std::span<const std::byte> bytes;
   };
   std::vector<Entry> entries;
-  auto st = [](const std::string& d) { return d == "float32" ? "F32" : d == "float16" ? "F16" : d == "int8" ? "I8" : "BF16"; };
+  auto st = [](const std::string& d) {
+    return d == "float32" ? "F32" : d == "float16" ? "F16" : d == "int8" ? "I8" : d == "uint64" ? "U64" : "BF16";
+  };
   for (const ExportedTensor& t : tensors) {
     if (t.sparse) {
       entries.push_back({t.name + ".values", st(t.dtype), {t.indices.size()}, t.values});
@@ -581,32 +632,45 @@ inline fs::path write_export(std::vector<Source> sources, std::uint64_t step, co
     throw checkpoint_error("psx: export into " + base.string() + ": " + e.what());
   }
   std::vector<ExportedTensor> tensors;
+  std::vector<std::string> owner;  // per tensor, the variable it stores (a table's ids: the table)
+  bool tables = false;
   for (Source& s : sources)
-    if (o.variables.empty() || matches(o.variables, s.name)) tensors.push_back(convert(s, o));
+    if (o.variables.empty() || matches(o.variables, s.name)) {
+      tensors.push_back(convert(s, o));
+      owner.push_back(s.name);
+      if (s.table) {
+        tensors.push_back(ids_tensor(s));
+        owner.push_back(s.name);
+      }
+      tables = tables || s.table;
+    }
+  const std::uint32_t written_format = tables ? 2 : 1;
   // The names the files use, the extra ones included (.npz and .safetensors):
   // a variable named like another's scales or indices would overwrite them.
   std::map<std::string, std::string> names;
   if (o.safetensors) names.emplace("__metadata__", "");  // the safetensors header's own key
-  for (const ExportedTensor& t : tensors) {
+  for (std::size_t k = 0; k < tensors.size(); ++k) {
+    const ExportedTensor& t = tensors[k];
     // A zip member is a path to whoever unzips model.npz: one that leaves the
     // directory it is unzipped into ("zip slip") is refused.
     if (o.npz && escapes_directory(t.name))
-      throw config_error("psx: export: variable " + json_string(t.name) +  // quoted: a NUL would end what()
+      throw config_error("psx: export: variable " + json_string(owner[k]) +  // quoted: a NUL would end what()
                          " would name an .npz member outside the archive's directory (an absolute path or drive, "
                          "a '..' part, a backslash or a NUL); rename it or export without npz");
     std::vector<std::string> own = {t.name};
     if (t.sparse) own = {t.name + ".values", t.name + ".indices", t.name + ".shape"};
     if (!t.scales.empty()) own.push_back(t.name + ".scale");
     for (const std::string& n : own)
-      if (!names.emplace(n, t.name).second)
+      if (!names.emplace(n, owner[k]).second)
         throw config_error(names[n].empty()
-                               ? "psx: export: variable '" + t.name + "' takes the name '" + n +
+                               ? "psx: export: variable '" + owner[k] + "' takes the name '" + n +
                                      "', which model.safetensors keeps for its metadata; rename it or export "
                                      "without safetensors"
-                               : "psx: export: '" + n + "' names a tensor of variable '" + t.name +
+                               : "psx: export: '" + n + "' names a tensor of variable '" + owner[k] +
                                      "' and of variable '" + names[n] + "'; rename one");
   }
   ExportMetadata m;
+  m.format_version = written_format;
   m.step = step;
   m.version = version;
   m.created_unix =
@@ -637,7 +701,7 @@ inline fs::path write_export(std::vector<Source> sources, std::uint64_t step, co
       meta.write(std::as_bytes(std::span(json)));
       meta.commit();
     }
-    write_model(temp / "model.psx", tensors, step);
+    write_model(temp / "model.psx", tensors, step, written_format);
     if (o.npz) write_npz(temp / "model.npz", tensors);
     if (o.safetensors) write_safetensors(temp / "model.safetensors", tensors, json);
     ck::fsync_path(temp, true);
@@ -658,6 +722,8 @@ inline fs::path write_export(std::vector<Source> sources, std::uint64_t step, co
 }  // namespace detail::exports
 
 inline std::vector<float> ExportedTensor::to_float() const {
+  if (dtype == "uint64")
+    throw config_error("psx: tensor '" + name + "' holds uint64 values (a dynamic table's ids): read them with to_ids()");
   const std::size_t n = elements();
   // A sparse tensor's shape is not bounded by its file: a damaged or
   // crafted one may claim more than memory holds.
@@ -689,6 +755,14 @@ inline std::vector<float> ExportedTensor::to_float() const {
   return out;
 }
 
+inline std::vector<std::uint64_t> ExportedTensor::to_ids() const {
+  if (dtype != "uint64")
+    throw config_error("psx: tensor '" + name + "' holds " + dtype + " values, not uint64 ids: read them with to_float()");
+  std::vector<std::uint64_t> out(values.size() / sizeof(std::uint64_t));
+  if (!out.empty()) std::memcpy(out.data(), values.data(), out.size() * sizeof(std::uint64_t));
+  return out;
+}
+
 inline const ExportedTensor& Export::operator[](std::string_view name) const {
   for (const ExportedTensor& t : tensors)
     if (t.name == name) return t;
@@ -697,10 +771,11 @@ inline const ExportedTensor& Export::operator[](std::string_view name) const {
 
 //! Exports the cluster's variables into `options.base/<version>/`; returns
 //! that directory. Collective like a checkpoint save: every worker calls it
-//! at the same step, the chief reads every variable and writes, the others
-//! wait on barriers. An export that fails throws on every worker (the
-//! chief's own error on the chief); the base directory then holds no new
-//! version.
+//! at the same step, the chief reads every variable (a dynamic table with
+//! `Worker::export_table`, from every server over the transport) and
+//! writes, the others wait on barriers. An export that fails throws on
+//! every worker (the chief's own error on the chief); the base directory
+//! then holds no new version.
 template <class PS>
 std::filesystem::path export_model(const PS&, Worker& w, const ExportOptions& options) {
   const std::uint64_t step = w.clock();
@@ -709,35 +784,39 @@ std::filesystem::path export_model(const PS&, Worker& w, const ExportOptions& op
   w.barrier();
   // Everyone learns whether it was written.
   checkpoint::detail::on_chief(w, "export into " + dir.string(), [&] {
-    std::vector<detail::exports::Source> sources;
+    std::vector<detail::exports::Source> sources, tables;  // the tables after the others, as export_checkpoint has them
     for (const VariableInfo& v : ::psx::detail::WorkerAccess::variables(w)) {
       if (!options.variables.empty() && !detail::exports::matches(options.variables, v.meta.name)) continue;
-      if (v.meta.kind == VariableKind::dynamic) {
-        // Unbounded rows: ParameterServer::export_table exports them (full,
-        // then deltas). Left out, unless named outright (not by a pattern).
-        if (std::find(options.variables.begin(), options.variables.end(), v.meta.name) == options.variables.end())
-          continue;
-        throw config_error("psx: export of '" + v.meta.name + "', a dynamic table: export its rows with "
-                           "ParameterServer::export_table");
+      if (v.meta.kind == VariableKind::dynamic) {  // its rows now, sorted by id
+        tables.push_back(detail::exports::table_source(v.meta.name, v.trainable, w.export_table(v.meta.name)));
+        continue;
       }
       detail::exports::Source s{v.meta.name, {v.meta.shape.begin(), v.meta.shape.end()}, v.trainable,
-                                std::vector<float>(v.meta.size())};
+                                std::vector<float>(v.meta.size()), false, {}};
       ::psx::detail::WorkerAccess::read(w, v.meta.name, s.values);
       sources.push_back(std::move(s));
     }
+    for (auto& t : tables) sources.push_back(std::move(t));
     detail::exports::write_export(std::move(sources), step, options);
   });
   return dir;
 }
 
-//! Exports a checkpoint's variables, without a cluster; returns the version directory.
+//! Exports a checkpoint's variables, without a cluster; returns the version
+//! directory. Its dynamic tables are read whole (checkpoint::load_table:
+//! every server's file) and exported as `export_model` exports them.
 inline std::filesystem::path export_checkpoint(const std::filesystem::path& checkpoint_dir, const ExportOptions& options) {
   const checkpoint::Manifest m = checkpoint::read_manifest(checkpoint_dir);
   std::vector<detail::exports::Source> sources;
   for (const checkpoint::ManifestVariable& v : m.variables) {
     if (!options.variables.empty() && !detail::exports::matches(options.variables, v.name)) continue;
     auto loaded = checkpoint::load_variable(checkpoint_dir, v.name);
-    sources.push_back({v.name, v.shape, v.trainable, std::move(loaded.values)});
+    sources.push_back({v.name, v.shape, v.trainable, std::move(loaded.values), false, {}});
+  }
+  for (const checkpoint::ManifestTable& t : m.tables) {
+    if (!options.variables.empty() && !detail::exports::matches(options.variables, t.name)) continue;
+    checkpoint::Table loaded = checkpoint::load_table(checkpoint_dir, t.name);  // ids ascending
+    sources.push_back({t.name, {loaded.ids.size(), t.dim}, true, std::move(loaded.values), true, std::move(loaded.ids)});
   }
   return detail::exports::write_export(std::move(sources), m.step, options);
 }
@@ -781,7 +860,10 @@ inline Export load_export(const std::filesystem::path& path, const LoadOptions& 
   const auto data = file.all().subspan(ck::header_bytes + h.meta_bytes, h.data_bytes);
   if (::psx::detail::crc32c(meta) != h.meta_crc) ck::fail(model, "corrupted metadata (CRC-32C mismatch)");
   if (::psx::detail::crc32c(data) != h.data_crc) ck::fail(model, "corrupted data (CRC-32C mismatch)");
-  out.tensors = detail::exports::decode_model(meta, data, model);
+  if (h.version > detail::exports::format_version)
+    ck::fail(model, "is in export format " + std::to_string(h.version) + "; this psx reads formats 1 to " +
+                        std::to_string(detail::exports::format_version));
+  out.tensors = detail::exports::decode_model(meta, data, model, h.version);
   const fs::path meta_file = dir / "metadata.json";
   const ck::Loaded json = ck::read_file(meta_file);
   ck::check_json_depth(json.all(), meta_file);
@@ -794,9 +876,12 @@ inline Export load_export(const std::filesystem::path& path, const LoadOptions& 
     ck::fail(meta_file, std::string("bad metadata: ") + e.what());
   }
   if (out.metadata.step != h.step) ck::fail(meta_file, "is of step " + std::to_string(out.metadata.step) + ", model.psx of step " + std::to_string(h.step));
-  if (out.metadata.format_version != ExportMetadata{}.format_version)
-    ck::fail(meta_file, "is in export format " + std::to_string(out.metadata.format_version) + "; this psx reads format " +
-                            std::to_string(ExportMetadata{}.format_version));
+  if (out.metadata.format_version == 0 || out.metadata.format_version > detail::exports::format_version)
+    ck::fail(meta_file, "is in export format " + std::to_string(out.metadata.format_version) +
+                            "; this psx reads formats 1 to " + std::to_string(detail::exports::format_version));
+  if (out.metadata.format_version != h.version)
+    ck::fail(meta_file, "says export format " + std::to_string(out.metadata.format_version) + ", model.psx is in format " +
+                            std::to_string(h.version));
   // metadata.json has no checksum of its own: what it says of each tensor
   // must be what model.psx (checked) holds.
   if (out.metadata.tensors.size() != out.tensors.size())
@@ -812,6 +897,7 @@ inline Export load_export(const std::filesystem::path& path, const LoadOptions& 
   }
   if (options.dequantize)
     for (ExportedTensor& t : out.tensors) {
+      if (t.dtype == "uint64") continue;  // a table's ids stay ids
       std::vector<float> f = t.to_float();
       t.values.resize(f.size() * 4);
       if (!f.empty()) std::memcpy(t.values.data(), f.data(), f.size() * 4);

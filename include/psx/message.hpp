@@ -48,13 +48,21 @@ enum class Op : std::uint8_t {
   restore,    //!< load this server's shards from the checkpoint directory `Request::reason`
   stats,      //!< the server's counters (ServerStats) into one item's `out` (detail::stats_floats floats)
   cancel,     //!< finish the worker's kept request `Request::call` with an error, if the server keeps it (no item)
+  table_stats,   //!< one item naming a dynamic table: its counters on this server (TableStats) into `out`
+  table_export,  //!< one item naming a dynamic table: a page of its rows into `out` (psx/detail/table_ops.hpp)
 };
 
 namespace detail {
 // A read: executing it again changes nothing (a transport that resends may
 // simply serve it again; detail::Window forgets its answer first).
 inline bool is_read(Op op) noexcept {
-  return op == Op::pull || op == Op::pull_rows || op == Op::read || op == Op::stats;
+  return op == Op::pull || op == Op::pull_rows || op == Op::read || op == Op::stats || op == Op::table_stats ||
+         op == Op::table_export;
+}
+// An inspection: answered whatever the sync policy and the worker's state,
+// and not counted as the worker's activity.
+inline bool is_inspection(Op op) noexcept {
+  return op == Op::read || op == Op::stats || op == Op::table_stats || op == Op::table_export;
 }
 }  // namespace detail
 

@@ -145,49 +145,32 @@ class ParameterServer {
   }
 
   //! What each server holds of dynamic table `name` (index = server), read
-  //! while training runs (every request sent before the call, such as the
-  //! last steps of a `run()` that returned, is applied first). Throws unknown_variable, config_error for another
-  //! kind of variable, before `start()`, or for a server of another process.
+  //! while training runs, from every server, in this process or another
+  //! (asked over the transport: `Worker::table_stats`). Every request this
+  //! process sent before the call, such as the last steps of a `run()` that
+  //! returned, is applied first (a server handles a process's requests in
+  //! order). Throws unknown_variable, config_error for
+  //! another kind of variable, before `start()`, or in a process without
+  //! workers (call it from a worker process).
   std::vector<TableStats> table_stats(std::string_view name) {
-    std::vector<TableStats> out;
-    for_each_table(name, "table_stats", [&](const auto& t) { out.push_back(t.stats()); });
-    return out;
+    return inspect_table(name, "table_stats", [&](Worker& w) { return w.table_stats(name); });
   }
 
   //! The rows of dynamic table `name`: every stored row (`since` empty), or
   //! a delta: the rows changed and the ids removed after `since` (the
-  //! `cursor` of the export before it). Safe while training runs (a row
-  //! changed meanwhile is in this export or the next delta); taken when the
-  //! servers are idle, a full export plus its deltas equals a full export.
-  //! Throws as `table_stats`, and checkpoint_error for a delta older than
-  //! the removals a server remembers (`TableOptions::removal_log_limit`).
-  TableExport export_table(std::string_view name, const TableCursor& since = {}) {
-    const VariableInfo& v = lookup(name, "export_table");
-    const std::size_t n = config().num_servers;
-    if (!since.empty() && (since.version.size() != n || since.incarnation.size() != n))
-      throw config_error("psx: export_table('" + v.meta.name + "'): a cursor of " +
-                         std::to_string(since.version.size()) + " versions and " +
-                         std::to_string(since.incarnation.size()) + " incarnations for " + std::to_string(n) +
-                         " servers");
-    TableExport out;
-    out.dim = v.meta.row_width;
-    std::size_t s = 0;
-    for_each_table(name, "export_table", [&](const auto& t) {
-      TableExport part;
-      try {
-        part = since.empty() ? t.export_rows() : t.export_rows(TableCursor{{since.incarnation[s]}, {since.version[s]}});
-      } catch (const checkpoint_error& e) {  // which server restarted or forgot its removals
-        throw checkpoint_error(std::string(e.what()) + " (server " + std::to_string(s) + " of " + std::to_string(n) +
-                               ")");
-      }
-      ++s;
-      out.cursor.incarnation.push_back(part.cursor.incarnation.front());
-      out.cursor.version.push_back(part.cursor.version.front());
-      out.ids.insert(out.ids.end(), part.ids.begin(), part.ids.end());
-      out.values.insert(out.values.end(), part.values.begin(), part.values.end());
-      out.removed.insert(out.removed.end(), part.removed.begin(), part.removed.end());
-    });
-    return out;
+  //! `cursor` of the export before it), from every server, in this process
+  //! or another, in pages of at most `page_bytes` per server
+  //! (`Worker::export_table`). Safe while training runs
+  //! (a row changed meanwhile is in this export or the next delta); taken
+  //! when the servers are idle, a full export plus its deltas equals a full
+  //! export. Throws as `table_stats`, config_error for a cursor of another
+  //! number of servers, and checkpoint_error naming the server for a cursor
+  //! of another incarnation of its table (it restarted, or restored a
+  //! checkpoint), or older than the removals it remembers
+  //! (`TableOptions::removal_log_limit`).
+  TableExport export_table(std::string_view name, const TableCursor& since = {},
+                           std::size_t page_bytes = Worker::table_page_bytes) {
+    return inspect_table(name, "export_table", [&](Worker& w) { return w.export_table(name, since, page_bytes); });
   }
   const std::vector<VariableInfo>& variables() const noexcept { return core_->variables; }
 
@@ -527,64 +510,31 @@ class ParameterServer {
     for (std::size_t k = 0; k < n; ++k) info.shards.push_back({k, 0, 0});
   }
 
-  // A round trip to every server: each handles its requests in order, so
-  // what was sent before (a worker's last push and its leave, which run()
-  // does not wait for) has been applied when this returns.
-  // (An inspection request, sent under the first local worker's index
-  // without its clock, which only that worker's thread may read, and waited
-  // for as no worker, as run() waits for the join: a transport that runs
-  // its workers' waits, the simulated one, must not take this thread for
-  // worker 0's.)
-  void settle() {
-    if (!running()) return;
-    const std::vector<std::size_t> local = local_workers();
-    if (local.empty()) return;
-    const std::size_t n = config().num_servers;
-    std::vector<std::vector<float>> answers(n, std::vector<float>(detail::stats_floats));
-    auto done = std::make_shared<Completion>(n);
-    std::size_t sent = 0;
-    try {
-      for (; sent < n; ++sent) {
-        Request r;
-        r.op = Op::stats;
-        r.worker = static_cast<std::uint32_t>(local.front());
-        r.items.resize(1);
-        r.items[0].out = answers[sent];
-        r.done = done;
-        core_->send(sent, std::move(r));
-      }
-    } catch (...) {  // shut down meanwhile: the servers stopped, nothing is in flight
-      for (; sent < n; ++sent) done->finish();
-    }
-    try {
-      core_->wait(config().num_workers, *done);
-    } catch (...) {  // a server that failed or stopped: the tables are read as they are
-    }
-  }
-
   // shutdown_error naming the call the user made (which starts the cluster).
   void refuse_after_shutdown(const char* call) const {
     if (core_->stopped.load()) throw shutdown_error(std::string("psx: ") + call + " after shutdown()");
   }
 
-  // Calls `fn(table)` for each server's part of dynamic table `name`, in server order.
+  // Calls `fn(worker)` for dynamic table `name` with a worker of this
+  // process that asks the servers (ParameterServer::read's way: the
+  // calling thread's own worker in a run, else the first local worker,
+  // waited for as no worker).
   template <class F>
-  void for_each_table(std::string_view name, const char* verb, F&& fn) {
+  auto inspect_table(std::string_view name, const char* verb, F&& fn) {
     const VariableInfo& v = lookup(name, verb);
     if (v.meta.kind != VariableKind::dynamic)
       throw config_error(std::string("psx: ") + verb + "('" + v.meta.name + "'): a " +
                          (v.meta.kind == VariableKind::dense ? "dense" : "sparse") + " variable, not a dynamic table");
-    settle();
-    std::lock_guard lock(link_mu_);
-    if (servers_.empty()) throw config_error(std::string("psx: ") + verb + "('" + v.meta.name + "') before start()");
-    for (std::size_t s = 0; s < servers_.size(); ++s) {
-      if (!servers_[s])
-        throw config_error(std::string("psx: ") + verb + "('" + v.meta.name + "'): server " + std::to_string(s) +
-                           " runs in another process");
-      const auto* table = servers_[s]->table(v.meta.id);
-      if (!table) throw config_error(std::string("psx: ") + verb + "('" + v.meta.name + "'): server " + std::to_string(s) + " holds no part of it");
-      fn(*table);
-    }
+    if (!started_) throw config_error(std::string("psx: ") + verb + "('" + v.meta.name + "') before start()");
+    if (core_->stopped.load()) throw shutdown_error(std::string("psx: ") + verb + "() after shutdown()");
+    const std::vector<std::size_t> local = local_workers();
+    if (local.empty())
+      throw config_error(std::string("psx: ") + verb + "('" + v.meta.name +
+                         "') in a process without workers; call it from a worker process");
+    const bool own = detail::running_worker.core == core_.get();
+    Worker reader(*core_, own ? detail::running_worker.index : local.front());
+    if (!own) reader.waits_as_ = config().num_workers;
+    return fn(reader);
   }
 
   void shutdown_link() noexcept {

@@ -10,6 +10,7 @@
 #include <psx/detail/persist.hpp>
 #include <psx/detail/priority.hpp>
 #include <psx/detail/span.hpp>
+#include <psx/detail/table_ops.hpp>
 #include <psx/embedding.hpp>
 #include <psx/errors.hpp>
 #include <psx/message.hpp>
@@ -29,6 +30,7 @@
 #include <limits>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -279,6 +281,54 @@ class Server final : public RequestHandler {
     return s;
   }
 
+  // The dynamic table a table request names (its one item: the variable,
+  // and this server's index as the shard), its answer's size checked.
+  const DynamicTable<O>& table_for(const Request& r) const {
+    const bool page = r.op == Op::table_export;
+    const char* what = page ? "an export page" : "a table stats request";
+    if (r.items.size() != 1)
+      throw wire_error("psx: " + where(r) + ": " + what + " carries one item, not " + std::to_string(r.items.size()));
+    const Item& item = r.items[0];
+    const DynamicTable<O>* t = item.shard == index_ ? table(item.variable) : nullptr;
+    if (!t)
+      throw wire_error("psx: " + where(r) + ": " + what + " names shard " + std::to_string(item.shard) +
+                       " of variable " + std::to_string(item.variable) +
+                       ", which is not this server's part of a dynamic table");
+    const bool sized = page ? detail::is_page_size(item.out.size(), t->dim()) && item.ids.size() == detail::page_ask_words
+                            : item.out.size() == detail::table_stats_floats && item.ids.empty();
+    if (!sized)
+      throw wire_error("psx: " + where(r) + ": " + what + " of table '" + t->name() + "' with " +
+                       std::to_string(item.ids.size()) + " words and an answer of " + std::to_string(item.out.size()) +
+                       " floats (" +
+                       (page ? std::to_string(detail::page_ask_words) + " words, " +
+                                   std::to_string(detail::page_header_floats) + " floats and rows of " +
+                                   std::to_string(t->dim()) + " floats with their ids"
+                             : "no word, " + std::to_string(detail::table_stats_floats) + " floats") +
+                       " expected)");
+    return *t;
+  }
+
+  // One page of a table's export (Op::table_export): the request's words
+  // say from which cursor and after which id hash (detail/table_ops.hpp).
+  void export_page(const Request& r) {
+    const DynamicTable<O>& t = table_for(r);
+    const Item& item = r.items[0];
+    const std::uint64_t flags = item.ids[3];
+    if ((flags & ~(detail::page_delta | detail::page_continues)) != 0)
+      throw wire_error("psx: " + where(r) + ": an export page with unknown flags " + std::to_string(flags));
+    TableCursor since;
+    if (flags & detail::page_delta) since = {{item.ids[0]}, {item.ids[1]}};
+    std::optional<std::uint64_t> after;
+    if (flags & detail::page_continues) after = item.ids[2];
+    detail::PageHeader h;
+    h.page = t.export_page(since, after, item.out.subspan(detail::page_header_floats));
+    const TableStats st = t.stats();
+    h.stored = st.rows;
+    h.removals = st.removal_log;
+    detail::put_page_header(h, item.out);
+    count(bytes_out_, (h.page.rows * (2 + t.dim()) + 2 * h.page.removed) * sizeof(float));
+  }
+
   ServerClock server_clock() const noexcept { return {clocks_, min_clock_, live_}; }
 
   std::string where(const Request& r) const {
@@ -362,7 +412,7 @@ class Server final : public RequestHandler {
 
   void dispatch(Request&& r) {
     // Inspection: answered whatever the sync policy and the worker's state.
-    const bool inspection = r.op == Op::read || r.op == Op::stats;
+    const bool inspection = detail::is_inspection(r.op);
     if (!inspection && r.worker >= clocks_.size())
       throw wire_error("psx: server " + std::to_string(index_) + ": request from worker " +
                        std::to_string(r.worker) + " of " + std::to_string(clocks_.size()));
@@ -446,6 +496,12 @@ class Server final : public RequestHandler {
           throw wire_error("psx: " + where(r) + ": a stats request carries one answer of " +
                            std::to_string(detail::stats_floats) + " floats");
         detail::put_stats(stats(), r.items[0].out);
+        break;
+      case Op::table_stats:
+        detail::put_table_stats(table_for(r).stats(), r.items[0].out);
+        break;
+      case Op::table_export:
+        export_page(r);
         break;
       default:
         throw wire_error("psx: " + where(r) + " has unknown operation " +

@@ -9,6 +9,8 @@
 #pragma once
 
 #include <psx/cluster.hpp>
+#include <psx/detail/table_ops.hpp>
+#include <psx/embedding.hpp>
 #include <psx/errors.hpp>
 #include <psx/message.hpp>
 #include <psx/variable.hpp>
@@ -445,6 +447,174 @@ class Worker {
     return out;
   }
 
+  // -- dynamic tables ---------------------------------------------------------
+
+  //! What each server holds of dynamic table `name` (`[s]` for server s),
+  //! asked over the transport, so also of servers in other processes. Every
+  //! request this worker sent before is applied first (a server handles
+  //! one worker's requests in order). Does not count as this worker's
+  //! activity, and is answered even after the sync policy failed. Throws
+  //! unknown_variable, config_error for another kind of variable.
+  std::vector<TableStats> table_stats(std::string_view name) {
+    check_running("table_stats");
+    const VariableInfo& v = table_variable(name, "table_stats");
+    std::vector<std::vector<float>> answers(num_servers(), std::vector<float>(detail::table_stats_floats));
+    std::vector<Handle> calls;
+    calls.reserve(num_servers());
+    for (std::size_t s = 0; s < num_servers(); ++s) {
+      Item item;
+      item.variable = v.meta.id;
+      item.shard = static_cast<std::uint32_t>(s);
+      item.out = answers[s];
+      calls.push_back(inspect(Op::table_stats, s, item, num_servers() == 1));
+    }
+    std::vector<TableStats> out;
+    out.reserve(num_servers());
+    for (std::size_t s = 0; s < num_servers(); ++s) {
+      calls[s].wait();
+      out.push_back(detail::get_table_stats(answers[s]));
+    }
+    return out;
+  }
+
+  //! The rows of dynamic table `name`: every stored row (`since` empty), or
+  //! a delta: the rows changed and the ids removed after `since` (the
+  //! `cursor` of the export before it). Asked over the transport, so also
+  //! of servers in other processes, in pages of at most `page_bytes` per
+  //! server and message (one row at least), continued from where each page
+  //! stopped (every server's pages asked for at once; a server handles one
+  //! page at a time between other requests). Safe while
+  //! training runs: a row changed meanwhile (also between two pages) is in
+  //! this export or in the next delta; taken when the servers are idle, a
+  //! full export plus its deltas equals a full export. Throws
+  //! unknown_variable, config_error for another kind of variable or a
+  //! cursor of another number of servers, and checkpoint_error naming the
+  //! server for a cursor of another incarnation of its table (the server
+  //! restarted, or restored a checkpoint), of a version it has not
+  //! reached, or older than the removals it remembers
+  //! (`TableOptions::removal_log_limit`), and for a table restored during
+  //! the export: then take a full export.
+  TableExport export_table(std::string_view name, const TableCursor& since = {},
+                           std::size_t page_bytes = table_page_bytes) {
+    check_running("export_table");
+    const VariableInfo& v = table_variable(name, "export_table");
+    const std::size_t n = num_servers(), dim = v.meta.row_width;
+    if (!since.empty() && (since.version.size() != n || since.incarnation.size() != n))
+      throw config_error("psx: export_table('" + v.meta.name + "'): a cursor of " +
+                         std::to_string(since.version.size()) + " versions and " +
+                         std::to_string(since.incarnation.size()) + " incarnations for " + std::to_string(n) +
+                         " servers");
+    const std::size_t page_floats = page_bytes / sizeof(float);
+    const std::size_t max_entries =
+        page_floats <= detail::page_header_floats ? 1 : std::max<std::size_t>(1, (page_floats - detail::page_header_floats) / (2 + dim));
+    struct Part {
+      std::vector<float> page;
+      std::size_t capacity = 0;  // entries the next page asks for
+      std::uint64_t after = 0;   // the hash the next page starts after
+      bool started = false, done = false;
+      std::size_t delivered = 0;  // entries so far
+    };
+    std::vector<Part> parts(n);
+    // A delta is usually small; a full export learns the size from its first page.
+    for (Part& p : parts) p.capacity = std::min<std::size_t>(since.empty() ? 4096 : 1024, max_entries);
+    TableExport out;
+    out.dim = dim;
+    out.cursor.incarnation.assign(n, 0);
+    out.cursor.version.assign(n, 0);
+    auto server = [&](std::size_t s) { return " (server " + std::to_string(s) + " of " + std::to_string(n) + ")"; };
+    // Every server's next page at once, then their answers in server order;
+    // each page holds one entry at least, so each round moves every server
+    // not done further along its ids' hashes.
+    std::uint64_t expected = 0;  // rows the servers held at their first page
+    for (std::size_t open = n, round = 0; open > 0; ++round) {
+      std::vector<std::size_t> asked;
+      std::vector<std::array<std::uint64_t, detail::page_ask_words>> words(n);
+      std::vector<Handle> calls;
+      calls.reserve(n);
+      for (std::size_t s = 0; s < n; ++s) {
+        Part& p = parts[s];
+        if (p.done) continue;
+        p.page.resize(detail::page_floats(p.capacity, dim));
+        words[s] = {since.empty() ? 0 : since.incarnation[s], since.empty() ? 0 : since.version[s], p.after,
+                    (since.empty() ? 0 : detail::page_delta) | (p.started ? detail::page_continues : 0)};
+        Item item;
+        item.variable = v.meta.id;
+        item.shard = static_cast<std::uint32_t>(s);
+        item.ids = words[s];
+        item.out = p.page;
+        asked.push_back(s);
+        calls.push_back(inspect(Op::table_export, s, item, open == 1));
+      }
+      for (std::size_t k = 0; k < asked.size(); ++k) {
+        const std::size_t s = asked[k];
+        Part& p = parts[s];
+        try {
+          calls[k].wait();
+        } catch (const checkpoint_error& e) {  // which server restarted or forgot its removals
+          throw checkpoint_error(std::string(e.what()) + server(s));
+        }
+        const std::span<const float> page(p.page);
+        const detail::PageHeader h = detail::get_page_header(page);
+        const std::size_t taken = h.page.rows + h.page.removed;
+        if (h.page.rows > p.capacity || h.page.removed > p.capacity - h.page.rows ||
+            (h.page.more && (taken == 0 || (p.started && h.page.next <= p.after))))
+          throw wire_error("psx: export_table('" + v.meta.name + "'): server " + std::to_string(s) + " answered " +
+                           std::to_string(h.page.rows) + " rows and " + std::to_string(h.page.removed) +
+                           " removed ids for a page of " + std::to_string(p.capacity) + (h.page.more ? ", and more" : ""));
+        if (!p.started) {
+          // The cursor: where the first page found the table.
+          out.cursor.incarnation[s] = h.page.incarnation;
+          out.cursor.version[s] = h.page.version;
+          expected += h.stored;
+        } else if (h.page.incarnation != out.cursor.incarnation[s]) {
+          throw checkpoint_error("psx: dynamic table '" + v.meta.name + "': its table was replaced (restored from a "
+                                 "checkpoint, incarnation " + std::to_string(h.page.incarnation) + " after " +
+                                 std::to_string(out.cursor.incarnation[s]) + ") during the export; take a full export" +
+                                 server(s));
+        }
+        const auto* bytes = reinterpret_cast<const std::byte*>(page.data() + detail::page_header_floats);
+        const std::size_t at = out.ids.size(), gone = out.removed.size();
+        out.ids.resize(at + h.page.rows);
+        out.removed.resize(gone + h.page.removed);
+        std::memcpy(out.ids.data() + at, bytes, h.page.rows * sizeof(std::uint64_t));
+        std::memcpy(out.removed.data() + gone, bytes + h.page.rows * sizeof(std::uint64_t),
+                    h.page.removed * sizeof(std::uint64_t));
+        const float* rows = page.data() + detail::page_header_floats + 2 * p.capacity;
+        out.values.insert(out.values.end(), rows, rows + h.page.rows * dim);
+        p.started = true;
+        p.after = h.page.next;
+        p.delivered += taken;
+        if (!h.page.more) {
+          p.done = true;
+          --open;
+          std::vector<float>().swap(p.page);
+          continue;
+        }
+        // What is left, as the server counts it now (a delta: at most one
+        // entry per change since the cursor), with room for rows that come
+        // meanwhile.
+        std::uint64_t left = since.empty() ? h.stored : h.stored + h.removals;
+        if (!since.empty() && h.page.version >= since.version[s]) left = std::min(left, h.page.version - since.version[s]);
+        left = left > p.delivered ? left - p.delivered : 0;
+        p.capacity = left >= max_entries ? max_entries
+                                         : std::min<std::size_t>(static_cast<std::size_t>(left + left / 8 + 64), max_entries);
+      }
+      if (round == 0 && since.empty()) {  // room for the rows the servers held (and a little more)
+        out.ids.reserve(expected + expected / 16);
+        out.values.reserve((expected + expected / 16) * dim);
+      }
+    }
+    return out;
+  }
+
+  //! The most one server's page of `export_table` holds by default (rows
+  //! of a wider table come in more pages).
+  // A full export of 1M rows of 16 floats on 2 servers in process
+  // (bench_table_export, a loaded 2-core VM): pages of 1 and 8 MiB took
+  // 145-307 and 180-280 ms, 256 KiB 548 ms, 64 MiB 342 ms (larger pages
+  // cost page faults, smaller ones rescans of a stripe and round trips).
+  static constexpr std::size_t table_page_bytes = std::size_t{8} << 20;
+
   //! Leaves the cluster, as `ParameterServer::run` does when a worker
   //! function returns: synchronous steps stop waiting for this worker. For
   //! workers driven from threads of your own; calling it again, or after
@@ -478,6 +648,36 @@ class Worker {
       for (; s < num_servers(); ++s) done->finish(error);
     }
     handle(std::move(done)).wait();
+  }
+
+  // Dynamic table `name`, or unknown_variable / config_error naming the call.
+  const VariableInfo& table_variable(std::string_view name, const char* verb) const {
+    const VariableInfo& v = core_->find(name, verb, index_);
+    if (v.meta.kind != VariableKind::dynamic)
+      throw config_error("psx: worker " + std::to_string(index_) + ": " + verb + "('" + v.meta.name + "'): a " +
+                         (v.meta.kind == VariableKind::dense ? "dense" : "sparse") + " variable, not a dynamic table");
+    return v;
+  }
+
+  // Sends inspection `op` with one item to server `s` (no clock: it may
+  // come from a thread that is not the worker's); `alone`: the only request
+  // the caller waits for next (Request::caller_waits; with several, each
+  // server's thread takes its own, so that they work at once).
+  Handle inspect(Op op, std::size_t s, const Item& item, bool alone) {
+    auto done = std::make_shared<Completion>(1);
+    Handle h = handle(done);
+    Request r;
+    r.op = op;
+    r.worker = static_cast<std::uint32_t>(index_);
+    r.items.push_back(item);
+    r.done = done;
+    r.caller_waits = alone;
+    try {
+      core_->send(s, std::move(r));
+    } catch (...) {  // not sent: the handle must not wait for it
+      done->finish(std::current_exception());
+    }
+    return h;
   }
 
   // A handle whose wait sends heartbeats when the cluster has a peer timeout,
@@ -605,7 +805,7 @@ class Worker {
     // An inspection carries no clock: it may come from a thread that is
     // not the worker's (ParameterServer::read), which must not read the
     // worker's clock while the worker's thread steps it.
-    const bool inspection = op == Op::read || op == Op::stats;
+    const bool inspection = detail::is_inspection(op);
     for (Request& r : per_server) {
       r.op = op;
       r.worker = static_cast<std::uint32_t>(index_);

@@ -13,7 +13,10 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
+#include <memory>
+#include <optional>
 #include <random>
 #include <set>
 #include <sstream>
@@ -1111,4 +1114,227 @@ TEST_CASE("embedding: evictions in the middle of a push leave every other row's 
     CHECK(t.stats().evicted_memory > 1000);
     CHECK(t.stats().bytes <= o.memory_cap_bytes);
   }
+}
+
+namespace {
+
+// Every page of `t`'s export from `since` (empty: full), `capacity` entries
+// a page, gathered into one export; between two pages `between()` runs
+// (changes of the table). Checks that no id comes twice.
+template <class Between>
+psx::TableExport paged(const DynamicTable<psx::optim::SGD>& t, const psx::TableCursor& since, std::size_t capacity,
+                       Between&& between) {
+  psx::TableExport out;
+  out.dim = t.dim();
+  std::vector<float> page(capacity * (2 + t.dim()));
+  std::optional<std::uint64_t> after;
+  for (std::size_t pages = 0;; ++pages) {
+    REQUIRE(pages < 100000);
+    const psx::TablePage p = t.export_page(since, after, page);
+    REQUIRE(p.rows + p.removed <= capacity);
+    if (pages == 0) out.cursor = {{p.incarnation}, {p.version}};
+    const auto* bytes = reinterpret_cast<const std::byte*>(page.data());
+    for (std::size_t k = 0; k < p.rows + p.removed; ++k) {
+      std::uint64_t id;
+      std::memcpy(&id, bytes + k * sizeof id, sizeof id);
+      (k < p.rows ? out.ids : out.removed).push_back(id);
+    }
+    out.values.insert(out.values.end(), page.begin() + static_cast<std::ptrdiff_t>(2 * capacity),
+                      page.begin() + static_cast<std::ptrdiff_t>(2 * capacity + p.rows * t.dim()));
+    if (!p.more) break;
+    REQUIRE((!after || p.next > *after));  // each page moves on
+    after = p.next;
+    between();
+  }
+  const std::set<std::uint64_t> rows(out.ids.begin(), out.ids.end()), gone(out.removed.begin(), out.removed.end());
+  CHECK(rows.size() == out.ids.size());
+  CHECK(gone.size() == out.removed.size());
+  return out;
+}
+
+std::vector<std::uint64_t> sorted_ids(std::vector<std::uint64_t> v) {
+  std::sort(v.begin(), v.end());
+  return v;
+}
+
+}  // namespace
+
+TEST_CASE("embedding: an export in pages holds what one export holds, whatever the page size") {
+  const psx::optim::SGD sgd{.lr = 0.5};
+  TableOptions o;
+  o.stripes = 4;
+  o.ttl_steps = 3;
+  o.ttl_sweep_steps = 1000;  // swept by hand below
+  DynamicTable<psx::optim::SGD> t("t", 3, psx::Initializer::uniform(-1.0f, 1.0f, 5), o, sgd);
+  std::vector<std::uint64_t> ids;
+  for (std::uint64_t k = 0; k < 300; ++k) ids.push_back(psx::detail::mix64(k) | (k % 3 == 0 ? 1ull << 63 : 0));
+  push(t, sgd, ids, 0.1f, 1, 3);
+  const psx::TableExport whole = t.export_rows();
+  for (const std::size_t capacity : {1, 2, 7, 64, 299, 300, 1000}) {
+    INFO("capacity " << capacity);
+    const psx::TableExport e = paged(t, {}, capacity, [] {});
+    CHECK(e.sorted() == whole.sorted());
+    CHECK(e.cursor == whole.cursor);
+  }
+  // A delta: rows changed and ids removed since the cursor.
+  push(t, sgd, std::vector<std::uint64_t>(ids.begin(), ids.begin() + 40), 0.2f, 5, 3);
+  push(t, sgd, {1, 2, 3}, 0.3f, 5, 3);
+  CHECK(t.expire(5) == 260);  // updated at step 1: more than 3 steps before 5
+  const psx::TableExport delta = t.export_rows(whole.cursor);
+  REQUIRE(delta.removed.size() == 260);
+  for (const std::size_t capacity : {1, 5, 100, 1000}) {
+    INFO("capacity " << capacity);
+    const psx::TableExport e = paged(t, whole.cursor, capacity, [] {});
+    CHECK(e.sorted() == delta.sorted());
+    CHECK(sorted_ids(e.removed) == sorted_ids(delta.removed));
+  }
+  // Refused as a whole export refuses, and a page without room for a row.
+  std::vector<float> fifty(50);
+  CHECK_THROWS_AS(t.export_page(psx::TableCursor{{t.incarnation() + 1}, {0}}, {}, fifty), psx::checkpoint_error);
+  CHECK_THROWS_AS(t.export_page(psx::TableCursor{{t.incarnation()}, {t.version() + 1}}, {}, fifty),
+                  psx::checkpoint_error);
+  std::vector<float> small(4);
+  CHECK_THROWS_WITH_AS(t.export_page({}, {}, small), doctest::Contains("has no room for one row"), psx::shape_error);
+}
+
+TEST_CASE("embedding: a table that changes between the pages of an export: its next delta completes it") {
+  const psx::optim::SGD sgd{.lr = 0.5};
+  TableOptions o;
+  o.stripes = 8;
+  o.ttl_steps = 4;
+  o.ttl_sweep_steps = 1;
+  DynamicTable<psx::optim::SGD> t("t", 2, psx::Initializer::uniform(-1.0f, 1.0f, 9), o, sgd);
+  std::uint64_t step = 1;
+  auto train = [&] {  // new ids, old ones updated, some expiring
+    std::vector<std::uint64_t> ids;
+    for (std::uint64_t k = 0; k < 30; ++k) ids.push_back(psx::detail::mix64(step * 7 + k % 11) % 500);
+    push(t, sgd, ids, 0.01f * static_cast<float>(step % 5), step, 2);
+    ++step;
+  };
+  for (int k = 0; k < 10; ++k) train();
+  psx::TableExport serving = paged(t, {}, 8, train);  // a step of training between every two pages
+  for (int round = 0; round < 5; ++round) {
+    serving.merge(paged(t, serving.cursor, 5, train));
+    CHECK(std::set<std::uint64_t>(serving.ids.begin(), serving.ids.end()).size() == serving.ids.size());
+  }
+  serving.merge(paged(t, serving.cursor, 5, [] {}));  // idle now
+  CHECK(serving.sorted() == t.export_rows().sorted());
+  CHECK(step > 40);
+}
+
+TEST_CASE("embedding: export_table and table_stats in small pages over every transport equal the whole export") {
+  psx_test::Watchdog dog("table pages");
+  auto check = [](auto& ps) {
+    TableOptions o;
+    o.ttl_steps = 5;
+    o.ttl_sweep_steps = 1;
+    ps.declare(psx::embedding("emb", 3, psx::Initializer::uniform(-0.1f, 0.1f, 4), o));
+    ps.declare(psx::dense("w", {2}));
+    auto train = [&](std::uint64_t from, std::uint64_t to) {
+      ps.run([&](psx::Worker& w) {
+        std::vector<float> rows(40 * 3), g(40 * 3, 0.05f);
+        for (std::uint64_t step = from; step < to; ++step) {
+          std::vector<std::uint64_t> ids(40);
+          for (std::size_t k = 0; k < ids.size(); ++k) ids[k] = psx::detail::mix64(step * 13 + k + 100 * w.index()) % 700;
+          w.pull_rows("emb", ids, rows);
+          w.push_rows("emb", ids, g);
+          w.step();
+        }
+      });
+    };
+    train(0, 12);
+    const psx::TableExport whole = ps.export_table("emb");
+    REQUIRE(!whole.ids.empty());
+    const psx::TableExport pages = ps.export_table("emb", {}, 100);  // a row and its id a page: 20 floats < 25
+    CHECK(pages.sorted() == whole.sorted());
+    CHECK(pages.cursor == whole.cursor);
+    std::uint64_t rows = 0;
+    for (const psx::TableStats& s : ps.table_stats("emb")) rows += s.rows;
+    CHECK(rows == whole.ids.size());
+    train(12, 24);  // rows change, expire and come back
+    const psx::TableExport delta = ps.export_table("emb", whole.cursor, 400);
+    CHECK(!delta.removed.empty());
+    CHECK(delta.sorted() == ps.export_table("emb", whole.cursor).sorted());
+    psx::TableExport serving = whole;
+    serving.merge(delta);
+    CHECK(serving.sorted() == ps.export_table("emb", {}, 1000).sorted());
+    // A worker's own calls, from its function; another kind of variable is refused.
+    ps.run([&](psx::Worker& w) {
+      if (w.index() != 0) return;
+      CHECK(w.export_table("emb", serving.cursor).ids.empty());
+      CHECK(w.table_stats("emb").size() == ps.config().num_servers);
+      CHECK_THROWS_WITH_AS(w.table_stats("w"), doctest::Contains("a dense variable, not a dynamic table"),
+                           psx::config_error);
+      CHECK_THROWS_AS(w.export_table("nope"), psx::unknown_variable);
+    });
+    // A cursor of another incarnation: refused, naming the server.
+    psx::TableCursor stale = serving.cursor;
+    stale.incarnation.back() += 1;
+    CHECK(message_of<psx::checkpoint_error>([&] { ps.export_table("emb", stale, 100); })
+              .ends_with("; take a full export (server " + std::to_string(ps.config().num_servers - 1) + " of " +
+                         std::to_string(ps.config().num_servers) + ")"));
+  };
+  SUBCASE("in process") {
+    psx::LocalCluster<psx::partition::HashByName, psx::sync::Synchronous, psx::optim::SGD> ps({3, 2}, {}, {},
+                                                                                               {.lr = 0.1});
+    check(ps);
+    ps.shutdown();
+    CHECK_THROWS_AS(ps.table_stats("emb"), psx::shutdown_error);
+  }
+  SUBCASE("in process, the waiting callers serving the inboxes") {
+    psx::ParameterServer<psx::partition::HashByName, psx::sync::Synchronous, psx::optim::SGD> ps(
+        {2, 2}, {}, {}, {.lr = 0.1}, psx::transport::InProcess{.waiters_serve = true});
+    check(ps);
+  }
+  SUBCASE("simulated") {
+    psx::ParameterServer<psx::partition::HashByName, psx::sync::Synchronous, psx::optim::SGD,
+                         psx::transport::Simulated>
+        ps({3, 2}, {}, {}, {.lr = 0.1});
+    check(ps);
+  }
+}
+
+TEST_CASE("embedding: a server refuses a table request that names no table of its own or the wrong sizes") {
+  std::vector<psx::VariableInfo> vars(2);
+  vars[0].meta = psx::detail::make_meta(psx::embedding("emb", 2), 0);
+  vars[0].table = {};
+  vars[0].ring = psx::detail::HashRing(2, vars[0].table.virtual_nodes);
+  vars[0].shards = {{0, 0, 0}, {1, 0, 0}};
+  vars[1].meta = psx::detail::make_meta(psx::dense("w", {4}), 1);
+  vars[1].shards = {{0, 0, 4}};
+  psx::Server<psx::sync::Asynchronous, psx::optim::SGD> server(0, 1, vars, {}, psx::optim::SGD{1.0f});
+  auto send = [&](psx::Op op, std::uint32_t variable, std::uint32_t shard, std::vector<std::uint64_t> words,
+                  std::size_t floats) {
+    std::vector<float> out(floats);
+    psx::Request r;
+    r.op = op;
+    r.items.push_back({variable, shard, words, {}, {}, out, {}});
+    auto done = std::make_shared<psx::Completion>(1);
+    r.done = done;
+    server.handle(std::move(r));
+    REQUIRE(done->ready());
+    try {
+      done->wait();
+    } catch (const std::exception& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  const std::vector<std::uint64_t> first = {0, 0, 0, 0};
+  CHECK(send(psx::Op::table_stats, 0, 0, {}, psx::detail::table_stats_floats).empty());
+  CHECK(send(psx::Op::table_export, 0, 0, first, psx::detail::page_floats(3, 2)).empty());
+  CHECK(send(psx::Op::table_stats, 0, 1, {}, psx::detail::table_stats_floats)
+            .find("names shard 1 of variable 0, which is not this server's part of a dynamic table") != std::string::npos);
+  CHECK(send(psx::Op::table_stats, 1, 0, {}, psx::detail::table_stats_floats).find("not this server's part") !=
+        std::string::npos);
+  CHECK(send(psx::Op::table_stats, 0, 0, {}, 5).find("answer of 5 floats") != std::string::npos);
+  CHECK(send(psx::Op::table_export, 0, 0, first, psx::detail::page_floats(3, 2) + 1).find("of table 'emb'") !=
+        std::string::npos);
+  CHECK(send(psx::Op::table_export, 0, 0, {0, 0}, psx::detail::page_floats(3, 2)).find("with 2 words") !=
+        std::string::npos);
+  CHECK(send(psx::Op::table_export, 0, 0, {0, 0, 0, 8}, psx::detail::page_floats(3, 2)).find("unknown flags 8") !=
+        std::string::npos);
+  CHECK(send(psx::Op::table_export, 0, 0, {1, 0, 0, psx::detail::page_delta}, psx::detail::page_floats(3, 2))
+            .find("a delta from a cursor of another table") != std::string::npos);
+  CHECK(server.stats().errors == 7);
 }

@@ -17,7 +17,14 @@ shutil.rmtree(work, ignore_errors=True)
 subprocess.run([writer, work], check=True)
 
 
+TABLE_IDS = np.array([7, 42, 1000, (1 << 63) + 5], dtype=np.uint64)  # as exported: ascending
+
+
 def expected(name):
+    if name == "table":  # the row of id k: (k % 97) * 0.25 + j * 0.5 - 1
+        k = (TABLE_IDS % np.uint64(97)).astype(np.float32)[:, None]
+        j = np.arange(3, dtype=np.float32)[None, :]
+        return (k * np.float32(0.25) + j * np.float32(0.5) - np.float32(1.0)).astype(np.float32)
     n = {"dense/kernel": 12, "bias": 4, "pruned": 40}[name]
     shape = {"dense/kernel": (3, 4), "bias": (4,), "pruned": (8, 5)}[name]
     i = np.arange(n, dtype=np.float32)
@@ -74,7 +81,8 @@ for version in range(1, 6):
     assert meta["signature"]["inputs"][0]["name"] == "x"
     npz = np.load(os.path.join(d, "model.npz"))
     arrays = {k: npz[k] for k in npz.files}
-    for name in ("dense/kernel", "bias", "pruned"):
+    assert meta["format_version"] == 2, meta  # it holds a table
+    for name in ("dense/kernel", "bias", "pruned", "table"):
         want, scales = stored(name, version)
         got = dense_from(arrays, name)
         assert got.dtype == want.dtype and got.shape == want.shape, (version, name, got.dtype, got.shape)
@@ -84,8 +92,10 @@ for version in range(1, 6):
         checked += 1
     assert "pruned.indices" in arrays and len(arrays["pruned.indices"]) == 10, version  # 40 values, 30 zeros
     assert "dense/kernel" in arrays  # dense tensors are stored whole
+    ids = arrays["table.ids"]
+    assert ids.dtype == np.uint64 and np.array_equal(ids, TABLE_IDS), (version, ids)
 
-print(f"numpy.load: {checked} tensors of 5 exports match, bit for bit")
+print(f"numpy.load: {checked} tensors of 5 exports match, bit for bit, the table's ids too")
 
 try:
     from safetensors import safe_open
@@ -115,7 +125,8 @@ for version in range(1, 6):
         with safe_open(path, framework="pt") as f:
             for k in bf16:
                 arrays[k] = f.get_tensor(k).view(torch.int16).numpy().view(np.uint16)
-    for name in ("dense/kernel", "bias", "pruned"):
+    assert np.array_equal(arrays["table.ids"], TABLE_IDS), version
+    for name in ("dense/kernel", "bias", "pruned", "table"):
         want, scales = stored(name, version)
         got = dense_from(arrays, name)
         assert got.shape == want.shape and np.array_equal(got.view(np.uint8), want.view(np.uint8)), (version, name)

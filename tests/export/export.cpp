@@ -200,8 +200,10 @@ TEST_CASE("export: metadata.json that says other than model.psx holds, or a fiel
     std::ofstream(meta, std::ios::trunc) << json;
     return psx_test::message_of<psx::checkpoint_error>([&] { (void)psx::load_export(version); });
   };
+  CHECK(edited("\"format_version\": 1", "\"format_version\": 3")
+            .find("metadata.json: is in export format 3; this psx reads formats 1 to 2") != std::string::npos);
   CHECK(edited("\"format_version\": 1", "\"format_version\": 2")
-            .find("metadata.json: is in export format 2; this psx reads format 1") != std::string::npos);
+            .find("metadata.json: says export format 2, model.psx is in format 1") != std::string::npos);
   CHECK(edited("\"float32\"", "\"int8\"").find("metadata.json: says tensor 0 is 'w' [4, 2] int8, model.psx holds 'w' "
                                                    "[4, 2] float32") != std::string::npos);
   CHECK(edited("\"trainable\": true", "\"trainable\": false").find("says tensor 0") != std::string::npos);
@@ -342,7 +344,7 @@ TEST_CASE("export: what the formats cannot hold is refused, names as readers tak
                        psx::checkpoint_error);
 }
 
-TEST_CASE("export: a dynamic table is left out of exports and refused when named, and a checkpoint without it refuses it") {
+TEST_CASE("export: a dynamic table is its rows sorted by id and their ids, from a cluster and from a checkpoint") {
   TempDir base("tables");
   psx::checkpoint::Info plain;
   {  // a checkpoint of "w" alone, for the restore below
@@ -353,31 +355,75 @@ TEST_CASE("export: a dynamic table is left out of exports and refused when named
       plain = psx::checkpoint::save(ps, w, base.path / "plain");
     });
   }
-  SGDCluster ps({1, 1}, {}, {}, {1.0});
+  SGDCluster ps({2, 1}, {}, {}, {1.0});
   ps.declare(psx::dense("w", {4}));
   ps.declare(psx::embedding("emb", 4));
+  ps.declare(psx::embedding("empty", 2));
+  // Pushed in no order, over both servers; SGD with lr 1 from zeros: the row is -gradient.
+  const std::vector<std::uint64_t> ids = {1u << 20, 42, UINT64_MAX, 7, 3000000000ull, 0};
+  auto row_of = [](std::uint64_t id, std::size_t j) { return static_cast<float>(id % 1000) * 0.5f - static_cast<float>(j); };
+  std::vector<std::uint64_t> sorted = ids;
+  std::sort(sorted.begin(), sorted.end());
+  const std::uint64_t id = 42;
   ps.run([&](psx::Worker& w) {
-    const std::uint64_t id = 42;
-    const std::vector<float> g(4, 1.0f);
-    w.push_rows("emb", std::span<const std::uint64_t>(&id, 1), g);
+    std::vector<float> g(ids.size() * 4);
+    for (std::size_t k = 0; k < ids.size(); ++k)
+      for (std::size_t j = 0; j < 4; ++j) g[k * 4 + j] = -row_of(ids[k], j);
+    w.push_rows("emb", ids, g);
     set_values(ps, w, {{"w", ramp(4, 1.0f, 1.0f)}});
     psx::ExportOptions o;
     o.base = base.path / "exports";
     const psx::Export e = psx::load_export(psx::export_model(ps, w, o));
-    REQUIRE(e.tensors.size() == 1);
+    CHECK(e.metadata.format_version == 2);
+    REQUIRE(e.tensors.size() == 5);
     CHECK(e.tensors[0].name == "w");
+    CHECK(e.tensors[1].name == "emb");
+    CHECK(e.tensors[2].name == "emb.ids");
     CHECK(e["w"].to_float() == ramp(4, 1.0f, 1.0f));
-    o.variables = {"emb"};  // named outright: refused, nothing written
-    o.version = 7;
-    CHECK_THROWS_WITH_AS(psx::export_model(ps, w, o), doctest::Contains("export of 'emb', a dynamic table"),
-                         psx::config_error);
-    CHECK(!fs::exists(o.base / "7"));
-    o.variables = {"*"};  // by a pattern: left out
-    CHECK(psx::load_export(psx::export_model(ps, w, o)).tensors.size() == 1);
-    // Checkpoints hold it (tests/checkpoint/tables.cpp); one saved without
-    // it is refused by name.
+    CHECK(e["emb"].shape == std::vector<std::uint64_t>{ids.size(), 4});
+    CHECK(e["emb.ids"].dtype == "uint64");
+    CHECK(e["emb.ids"].shape == std::vector<std::uint64_t>{ids.size()});
+    CHECK(e["emb.ids"].to_ids() == sorted);
+    std::vector<float> want;
+    for (const std::uint64_t k : sorted)
+      for (std::size_t j = 0; j < 4; ++j) want.push_back(row_of(k, j));
+    CHECK(e["emb"].to_float() == want);
+    CHECK(e["empty"].shape == std::vector<std::uint64_t>{0, 2});
+    CHECK(e["empty.ids"].to_ids().empty());
+    CHECK_THROWS_WITH_AS((void)e["emb.ids"].to_float(), doctest::Contains("read them with to_ids()"), psx::config_error);
+    CHECK_THROWS_AS((void)e["emb"].to_ids(), psx::config_error);
+    // Dequantized, the ids stay ids; int8 per channel: a scale per row.
+    o.version = 2;
+    o.precision = psx::ExportPrecision::int8_per_channel;
+    const psx::Export q = psx::load_export(psx::export_model(ps, w, o));
+    CHECK(q["emb"].dtype == "int8");
+    CHECK(q["emb"].scales.size() == ids.size());
+    const psx::Export d = psx::load_export(q.path, {.dequantize = true});
+    CHECK(d["emb.ids"].to_ids() == sorted);
+    CHECK(d["emb"].dtype == "float32");
+    // Without a table: format 1 (what a psx reading format 1 only reads).
+    o.version = 3;
+    o.precision = psx::ExportPrecision::float32;
+    o.variables = {"w"};
+    const psx::Export plain_export = psx::load_export(psx::export_model(ps, w, o));
+    CHECK(plain_export.metadata.format_version == 1);
+    CHECK(plain_export.tensors.size() == 1);
+    // A checkpoint exports the same tensors, byte for byte.
     const auto saved = psx::checkpoint::save(ps, w, base.path / "ckpt");
-    CHECK(psx::checkpoint::load_table(saved.path, "emb").ids == std::vector<std::uint64_t>{id});
+    CHECK(psx::checkpoint::load_table(saved.path, "emb").ids == sorted);
+    psx::ExportOptions from_ckpt;
+    from_ckpt.base = base.path / "from-ckpt";
+    const fs::path c = psx::export_checkpoint(saved.path, from_ckpt);
+    o.variables = {};
+    o.version = std::nullopt;
+    o.base = base.path / "again";
+    const fs::path again = psx::export_model(ps, w, o);
+    for (const char* file : {"model.psx", "model.npz"}) {
+      std::ifstream x(c / file, std::ios::binary), y(again / file, std::ios::binary);
+      const std::string a((std::istreambuf_iterator<char>(x)), {}), b((std::istreambuf_iterator<char>(y)), {});
+      CHECK_MESSAGE((!a.empty() && a == b), file);
+    }
+    // A checkpoint saved without the table is refused by name.
     CHECK_THROWS_WITH_AS(psx::checkpoint::restore(ps, w, plain.path),
                          doctest::Contains("has no dynamic table 'emb', which this program declares"), psx::checkpoint_error);
     // The refusals changed nothing.
@@ -387,6 +433,17 @@ TEST_CASE("export: a dynamic table is left out of exports and refused when named
     std::vector<float> values(4);
     w.pull("w", values);
     CHECK(values == ramp(4, 1.0f, 1.0f));
+  });
+  // A variable named like a table's ids is refused before anything is written.
+  SGDCluster clash({1, 1}, {}, {}, {1.0});
+  clash.declare(psx::embedding("t", 2));
+  clash.declare(psx::dense("t.ids", {2}, psx::Initializer::constant(1.0f)));  // not all zeros: stored whole
+  clash.run([&](psx::Worker& w) {
+    psx::ExportOptions o;
+    o.base = base.path / "clash";
+    CHECK_THROWS_WITH_AS(psx::export_model(clash, w, o), doctest::Contains("'t.ids' names a tensor of variable"),
+                         psx::config_error);
+    CHECK(!fs::exists(o.base / "0"));
   });
 }
 

@@ -341,13 +341,14 @@ struct Fixture {
       names.emplace_back();
       for (const auto& sh : on[s]) names.back().push_back(sh.variable->meta.name);
     }
-    {  // an export of three kinds of tensor: float32, int8 per channel, sparse float16
+    {  // an export of four kinds of tensor: float32, int8 per channel, sparse float16, a table's uint64 ids
       psx::ExportOptions o;
       o.sparse_above = 0.5;
       std::vector<psx::detail::exports::Source> sources = {
-          {"k", {3, 4}, true, std::vector<float>(values.begin(), values.begin() + 12)},
-          {"q", {2, 3}, true, std::vector<float>(values.begin() + 20, values.begin() + 26)},
-          {"s", {10}, false, {0, 0, 1.5f, 0, 0, 0, -2.0f, 0, 0, 0}}};
+          {"k", {3, 4}, true, std::vector<float>(values.begin(), values.begin() + 12), false, {}},
+          {"q", {2, 3}, true, std::vector<float>(values.begin() + 20, values.begin() + 26), false, {}},
+          {"s", {10}, false, {0, 0, 1.5f, 0, 0, 0, -2.0f, 0, 0, 0}, false, {}},
+          {"t", {2, 2}, true, std::vector<float>(values.begin() + 30, values.begin() + 34), true, {5, 1ull << 63}}};
       std::vector<psx::ExportedTensor> tensors;
       o.precision = psx::ExportPrecision::float32;
       tensors.push_back(psx::detail::exports::convert(sources[0], o));
@@ -355,7 +356,8 @@ struct Fixture {
       tensors.push_back(psx::detail::exports::convert(sources[1], o));
       o.precision = psx::ExportPrecision::float16;
       tensors.push_back(psx::detail::exports::convert(sources[2], o));
-      psx::detail::exports::write_model(dir / "model.psx", tensors, kStep);
+      tensors.push_back(psx::detail::exports::ids_tensor(sources[3]));
+      psx::detail::exports::write_model(dir / "model.psx", tensors, kStep, 2);
       model = read_all(dir / "model.psx");
     }
     for (const auto& v : vars) {
@@ -450,8 +452,9 @@ void check_model(const std::vector<psx::ExportedTensor>& tensors) {
     for (std::size_t i = 0; i < t.indices.size(); ++i)
       if (t.indices[i] >= t.elements() || (i > 0 && t.indices[i] <= t.indices[i - 1]))
         bug("decode_model accepted '" + t.name + "' with sparse indices out of order or range");
-    if (t.elements() <= (std::uint64_t{1} << 16) && t.to_float().size() != t.elements())
-      bug("to_float of '" + t.name + "' has the wrong size");
+    const bool ids = t.dtype == "uint64";  // a table's ids: read as such, never as floats
+    if (t.elements() <= (std::uint64_t{1} << 16) && (ids ? t.to_ids().size() : t.to_float().size()) != t.elements())
+      bug((ids ? "to_ids of '" : "to_float of '") + t.name + "' has the wrong size");
   }
 }
 

@@ -119,9 +119,10 @@ std::vector<std::vector<std::byte>> seeds() {
   static const std::vector<float> grad(40, 0.5f);
   static std::vector<float> out(40);
   static const std::vector<std::uint64_t> ids = {1, 5, 9};
+  static const std::vector<std::uint64_t> page_ask = {4, 17, 99, 3};  // an export page's words
   std::vector<std::vector<std::byte>> all;
-  for (psx::Op op :
-       {psx::Op::push, psx::Op::pull, psx::Op::push_rows, psx::Op::pull_rows, psx::Op::clock, psx::Op::cancel}) {
+  for (psx::Op op : {psx::Op::push, psx::Op::pull, psx::Op::push_rows, psx::Op::pull_rows, psx::Op::clock,
+                     psx::Op::cancel, psx::Op::table_stats, psx::Op::table_export}) {
     const bool no_item = op == psx::Op::clock || op == psx::Op::cancel;
     psx::Request r;
     r.op = op;
@@ -134,6 +135,11 @@ std::vector<std::vector<std::byte>> seeds() {
     if (op == psx::Op::push_rows || op == psx::Op::pull_rows) item.ids = ids;
     if (op == psx::Op::push_rows) item.in = std::span<const float>(grad).first(12);
     if (op == psx::Op::pull_rows) item.out = std::span<float>(out).first(12);
+    if (op == psx::Op::table_stats) item.out = std::span<float>(out).first(18);
+    if (op == psx::Op::table_export) {
+      item.ids = page_ask;
+      item.out = std::span<float>(out).first(16 + 2 * (2 + 3));
+    }
     if (!no_item) r.items.push_back(item);
     for (std::uint32_t chunk : {64u, 4096u}) {
       std::vector<wire::Segment> segs;

@@ -1651,3 +1651,88 @@ TEST_CASE("zmq: a dynamic embedding table trains over tcp as in process, bit for
   psx::Initializer::uniform(-1.0f, 1.0f, 3).fill_row("emb", UINT64_MAX, initial);
   CHECK(std::vector<float>(in_process.end() - 4, in_process.end()) != initial);
 }
+
+namespace {
+
+// What the chief sees of a table trained by train_dynamic, and how it sees it.
+struct TableViews {
+  std::vector<psx::TableStats> stats;
+  psx::TableExport whole, pages, delta, merged, after;
+};
+
+// train_dynamic's training, then the chief's table_stats, a full export (in
+// one page a server, and in pages of 3 rows), more training, a delta (in
+// pages of 2 entries) merged into the export, and a full export again.
+template <class PS>
+TableViews table_views(PS& cluster) {
+  cluster.declare(psx::embedding("emb", 4, psx::Initializer::uniform(-1.0f, 1.0f, 3)));
+  TableViews v;
+  const std::size_t page3 = (psx::detail::page_header_floats + 3 * (2 + 4)) * sizeof(float);
+  const std::size_t page2 = (psx::detail::page_header_floats + 2 * (2 + 4)) * sizeof(float);
+  cluster.run([&](psx::Worker& w) {
+    auto train = [&](std::size_t from, std::size_t to) {
+      std::vector<float> rows(std::size(dynamic_ids) * 4), g(rows.size());
+      for (std::size_t step = from; step < to; ++step) {
+        w.pull_rows("emb", dynamic_ids, rows);
+        for (std::size_t i = 0; i < g.size(); ++i) g[i] = psx_test::toy_grad(rows[i], w.index(), step, i);
+        const std::size_t skip = (w.index() + step) % 3;  // some rows change, some do not
+        w.push_rows("emb", std::span(dynamic_ids).subspan(skip), std::span<const float>(g).subspan(skip * 4));
+        w.step();
+      }
+      w.barrier();  // every push in before the chief looks
+    };
+    train(0, 6);
+    if (w.is_chief()) {
+      v.stats = cluster.table_stats("emb");
+      v.whole = cluster.export_table("emb");
+      v.pages = w.export_table("emb", {}, page3);
+    }
+    w.barrier();
+    train(6, 9);
+    if (w.is_chief()) {
+      v.delta = cluster.export_table("emb", v.whole.cursor, page2);
+      v.merged = v.whole;
+      v.merged.merge(v.delta);
+      v.after = w.export_table("emb");
+    }
+  });
+  return v;
+}
+
+}  // namespace
+
+TEST_CASE("zmq: table_stats and export_table reach every server process, and equal the in-process cluster's") {
+  psx_test::Watchdog dog("zmq table exports", std::chrono::seconds(120));
+  const psx::ClusterConfig config{2, 3, std::chrono::milliseconds(20000)};
+  TableViews over_zmq;
+  std::mutex mu;
+  for_each_task(2, 3, false, [&](const std::string& type, std::size_t, Zmq z) {
+    ZmqCluster<psx::partition::HashByName, psx::sync::Synchronous, psx::optim::Adagrad> cluster(
+        config, {}, {}, psx::optim::Adagrad{.lr = 0.1}, z);
+    TableViews v = table_views(cluster);
+    if (type == "ps") CHECK_THROWS_WITH_AS(cluster.table_stats("emb"), doctest::Contains("a process without workers"),
+                                           psx::config_error);
+    std::lock_guard lock(mu);
+    if (type == "chief") over_zmq = std::move(v);
+  });
+  psx::LocalCluster<psx::partition::HashByName, psx::sync::Synchronous, psx::optim::Adagrad> local(
+      config, {}, {}, psx::optim::Adagrad{.lr = 0.1});
+  const TableViews in_process = table_views(local);
+  REQUIRE(over_zmq.stats.size() == 2);
+  std::uint64_t rows = 0;
+  for (std::size_t s = 0; s < 2; ++s) {
+    CHECK(over_zmq.stats[s].rows == in_process.stats[s].rows);
+    CHECK(over_zmq.stats[s].admitted == in_process.stats[s].admitted);
+    rows += over_zmq.stats[s].rows;
+  }
+  CHECK(rows == std::size(dynamic_ids));
+  CHECK(over_zmq.whole.ids.size() == std::size(dynamic_ids));
+  CHECK(over_zmq.whole.sorted() == in_process.whole.sorted());
+  CHECK(over_zmq.pages.sorted() == over_zmq.whole.sorted());
+  CHECK(over_zmq.pages.cursor == over_zmq.whole.cursor);
+  CHECK(!over_zmq.delta.ids.empty());
+  CHECK(over_zmq.delta.sorted() == in_process.delta.sorted());
+  CHECK(over_zmq.merged.sorted() == over_zmq.after.sorted());
+  CHECK(over_zmq.after.sorted() == in_process.after.sorted());
+  CHECK(over_zmq.after.sorted() != over_zmq.whole.sorted());
+}

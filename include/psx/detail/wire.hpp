@@ -39,8 +39,8 @@ inline constexpr std::uint32_t magic = 0x57585350u;
 //! Bumped whenever a layout below changes, or what a message asks of its
 //! peer; peers of another version are refused at the handshake. 4: a join
 //! carries one item of 2 floats, answered with the clock the server counts
-//! the worker at.
-inline constexpr std::uint16_t version = 4;
+//! the worker at. 5: the table operations (Op::table_stats, table_export).
+inline constexpr std::uint16_t version = 5;
 //! Largest frame a sender makes: tensors above it are split into chunks.
 inline constexpr std::uint32_t max_chunk_bytes = 0x7fffffffu;  // 2 GiB - 1
 
@@ -423,7 +423,7 @@ inline Incoming decode_request(std::span<const std::span<const std::byte>> frame
                      "-byte message is over the limit of " + std::to_string(limits.max_message_bytes) + " bytes");
   Incoming in;
   Request& r = in.request;
-  if (p.byte7 > static_cast<std::uint8_t>(Op::cancel))
+  if (p.byte7 > static_cast<std::uint8_t>(Op::table_export))
     throw wire_error("psx: " + std::string(where) + ": unknown operation " + std::to_string(p.byte7));
   r.op = static_cast<Op>(p.byte7);
   in.head.call = get<std::uint64_t>(h, 8);

@@ -17,6 +17,7 @@
 #include <psx/concepts.hpp>
 #include <psx/detail/cpus.hpp>
 #include <psx/detail/hash.hpp>
+#include <psx/detail/table_ops.hpp>
 #include <psx/detail/window.hpp>
 #include <psx/detail/wire.hpp>
 #include <psx/errors.hpp>
@@ -1453,6 +1454,24 @@ class Zmq::link_type {
         return o.count == ::psx::detail::stats_floats && o.kind == ::psx::detail::wire::OutKind::float32
                    ? ""
                    : "a stats answer is " + std::to_string(::psx::detail::stats_floats) + " floats";
+      if (r.op == Op::table_stats || r.op == Op::table_export) {  // Worker::table_stats, export_table
+        if (r.items.size() != 1) return "a table request carries one item";
+        if (item.variable >= l_.ctx_.variables.size()) return "unknown variable " + std::to_string(item.variable);
+        const VariableInfo& v = l_.ctx_.variables[item.variable];
+        if (v.meta.kind != VariableKind::dynamic) return "'" + v.meta.name + "' is not a dynamic table";
+        if (item.shard != *l_.server_index_)
+          return "shard " + std::to_string(item.shard) + " of '" + v.meta.name + "' is not on this server";
+        if (o.kind != ::psx::detail::wire::OutKind::float32) return "a table answer is floats";
+        if (r.op == Op::table_stats)
+          return o.count == ::psx::detail::table_stats_floats
+                     ? ""
+                     : "a table stats answer is " + std::to_string(::psx::detail::table_stats_floats) + " floats";
+        return ::psx::detail::is_page_size(o.count, v.meta.row_width)
+                   ? ""
+                   : "an export page of '" + v.meta.name + "' is " +
+                         std::to_string(::psx::detail::page_header_floats) + " floats and whole entries of " +
+                         std::to_string(2 + v.meta.row_width) + ", not " + std::to_string(o.count);
+      }
       const bool pull = r.op == Op::pull || r.op == Op::read || r.op == Op::pull_rows;
       if (!pull) return o.count == 0 ? "" : "a push asks for values back";
       if (o.count == 0) return "a pull without an output";
