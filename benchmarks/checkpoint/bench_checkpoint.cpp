@@ -80,22 +80,9 @@ int main(int argc, char** argv) try {
   const std::size_t rows =
       std::max<std::size_t>(1, (mib << 20) / (num_variables * cols * sizeof(float) * saved_floats_per_param));
 
-  const fs::path root = fs::temp_directory_path() / ("psx-bench-checkpoint-" + std::to_string(::getpid()));
-  fs::remove_all(root);
-  fs::create_directories(root);
-  struct Cleanup {
-    fs::path p;
-    ~Cleanup() {
-      std::error_code ec;
-      fs::remove_all(p, ec);
-    }
-  } cleanup{root};
-  const double need = 2.2 * static_cast<double>(mib << 20);  // a checkpoint and the plain file at once
-  if (static_cast<double>(fs::space(root).available) < need) {
-    std::fprintf(stderr, "bench_checkpoint: %s has %.1f GiB free, this size needs %.1f GiB: ask for fewer MiB\n",
-                 root.c_str(), static_cast<double>(fs::space(root).available) / (1 << 30), need / (1 << 30));
-    return 2;
-  }
+  const ScratchDir scratch("psx-bench-checkpoint");
+  const fs::path& root = scratch.path;
+  if (!scratch.has_room(2.2 * static_cast<double>(mib << 20), "bench_checkpoint")) return 2;  // a checkpoint and the plain file
   const bool cold = drop_caches();
 
   Cluster ps({num_servers, 1}, {}, {}, {.lr = 0.01});

@@ -32,6 +32,7 @@
 #include <psx/checkpoint.hpp>
 #include <psx/psx.hpp>
 
+#include "../proc_status.hpp"
 #include "../zipf.hpp"
 #include "plain_io.hpp"
 
@@ -51,15 +52,6 @@ using namespace psx_bench;
 using Cluster = psx::ParameterServer<psx::partition::HashByName, psx::sync::Asynchronous, psx::optim::Adagrad>;
 
 constexpr std::size_t kBatch = 4096;
-
-// A line of /proc/self/status in KiB (VmRSS, VmHWM).
-std::uint64_t status_kib(const std::string& key) {
-  std::ifstream f("/proc/self/status");
-  std::string line;
-  while (std::getline(f, line))
-    if (line.rfind(key + ":", 0) == 0) return std::strtoull(line.c_str() + key.size() + 1, nullptr, 10);
-  return 0;
-}
 
 // Resets VmHWM to the current RSS (writing 5 to clear_refs), where allowed.
 bool reset_peak() {
@@ -135,22 +127,10 @@ int main(int argc, char** argv) try {
     std::fprintf(stderr, "usage: %s [rows = 10000000] [dim = 16] [servers = 2] [seconds = 4]\n", argv[0]);
     return 2;
   }
-  const fs::path root = fs::temp_directory_path() / ("psx-bench-table-save-" + std::to_string(::getpid()));
-  fs::remove_all(root);
-  fs::create_directories(root);
-  struct Cleanup {
-    fs::path p;
-    ~Cleanup() {
-      std::error_code ec;
-      fs::remove_all(p, ec);
-    }
-  } cleanup{root};
+  const ScratchDir scratch("psx-bench-table-save");
+  const fs::path& root = scratch.path;
   const double need = 3.2 * static_cast<double>(rows * (24 + 8 * dim));  // two checkpoints and the plain file
-  if (static_cast<double>(fs::space(root).available) < need) {
-    std::fprintf(stderr, "bench_table_save: %s has %.1f GiB free, %zu rows need %.1f GiB\n", root.c_str(),
-                 static_cast<double>(fs::space(root).available) / (1 << 30), rows, need / (1 << 30));
-    return 2;
-  }
+  if (!scratch.has_room(need, "bench_table_save")) return 2;
 
   Cluster ps({servers, 1}, {}, {}, {.lr = 0.05});
   ps.declare(psx::embedding("emb", dim, psx::Initializer::uniform(-0.05f, 0.05f, 3)));
@@ -178,7 +158,7 @@ int main(int argc, char** argv) try {
     without = trainer.run_for(seconds, [](std::size_t) { return true; });
 
     // A background save, training on while it is written.
-    rss_before = status_kib("VmRSS");
+    rss_before = proc_status("VmRSS");
     peak_known = reset_peak();
     {
       const auto t0 = Clock::now();
@@ -196,7 +176,7 @@ int main(int argc, char** argv) try {
       bytes = shard_bytes(info.path);
       fs::remove_all(info.path);
     }
-    peak_added = status_kib("VmHWM") - rss_before;
+    peak_added = proc_status("VmHWM") - rss_before;
 
     // A stopping save: training waits for the whole write, then trains on for the same window.
     {
@@ -243,7 +223,7 @@ int main(int argc, char** argv) try {
   row("a stopping save, same window", stopping, "(its longest step: the whole save)");
   std::printf("background save: snapshot %.1f ms (every worker waits), written in %.2f s while training, finish "
               "(manifest, rename) %.1f ms; peak resident memory +%.0f MiB%s\n",
-              snapshot_ms, written_s, finish_ms, static_cast<double>(peak_added) / 1024,
+              snapshot_ms, written_s, finish_ms, static_cast<double>(peak_added) / (1 << 20),
               peak_known ? "" : " (VmHWM not reset: since the start)");
   std::printf("%-10s %9s %10s %9s %9s\n", "", "psx GB/s", "plain GB/s", "psx s", "plain s");
   std::printf("%-10s %9.2f %10.2f %9.3f %9.3f   psx/plain %.2fx\n", "save", b / save_s / 1e9, b / write_s / 1e9, save_s,

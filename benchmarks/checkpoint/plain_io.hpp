@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdio>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -16,6 +17,7 @@
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <system_error>
 #include <vector>
 
 namespace psx_bench {
@@ -79,5 +81,31 @@ inline std::uint64_t shard_bytes(const fs::path& dir) {
     if (e.path().filename().string().rfind("server-", 0) == 0) sum += e.file_size();
   return sum;
 }
+
+// A directory of this run's own under the temp directory, removed with
+// what it holds when the run ends.
+struct ScratchDir {
+  explicit ScratchDir(const std::string& prefix)
+      : path(fs::temp_directory_path() / (prefix + "-" + std::to_string(::getpid()))) {
+    fs::remove_all(path);
+    fs::create_directories(path);
+  }
+  ScratchDir(const ScratchDir&) = delete;
+  ScratchDir& operator=(const ScratchDir&) = delete;
+  ~ScratchDir() {
+    std::error_code ec;
+    fs::remove_all(path, ec);
+  }
+  // Whether `bytes` fit in its file system; says why not on stderr.
+  bool has_room(double bytes, const char* program) const {
+    const double free = static_cast<double>(fs::space(path).available);
+    if (free >= bytes) return true;
+    std::fprintf(stderr, "%s: %s has %.1f GiB free, this run needs %.1f GiB: ask for a smaller size\n", program,
+                 path.c_str(), free / (1 << 30), bytes / (1 << 30));
+    return false;
+  }
+
+  fs::path path;
+};
 
 }  // namespace psx_bench

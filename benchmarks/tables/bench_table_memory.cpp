@@ -21,6 +21,8 @@
 //   PSX_REMOVAL_LOG=n bench_table_memory ...   TableOptions::removal_log_limit = n (default: the library's)
 #include <psx/psx.hpp>
 
+#include "../proc_status.hpp"
+
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -35,21 +37,13 @@
 
 namespace {
 
+using psx_bench::proc_status;
+
 using Clock = std::chrono::steady_clock;
 constexpr std::size_t kBatch = 1024;
 const psx::Initializer kInit = psx::Initializer::uniform(-0.05f, 0.05f, 7);
 const psx::optim::Adagrad kOpt{.lr = 0.05};
 
-// A field of /proc/self/status ("VmRSS", "VmHWM"), in bytes.
-std::uint64_t proc_status(const char* field) {
-  std::ifstream in("/proc/self/status");
-  std::string line;
-  const std::size_t n = std::strlen(field);
-  while (std::getline(in, line))
-    if (line.compare(0, n, field) == 0 && line.size() > n && line[n] == ':')
-      return std::strtoull(line.c_str() + n + 1, nullptr, 10) * 1024;  // "VmRSS:   1234 kB"
-  return 0;
-}
 
 double mib(double bytes) { return bytes / (1 << 20); }
 

@@ -21,6 +21,8 @@
 // freed blocks are resident too) or without /proc.
 #include <psx/psx.hpp>
 
+#include "../../benchmarks/proc_status.hpp"
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -42,6 +44,8 @@
 
 namespace {
 
+using psx_bench::proc_status;
+
 using Clock = std::chrono::steady_clock;
 constexpr std::size_t kBatch = 1024;
 constexpr std::size_t kDim = 16;
@@ -61,16 +65,6 @@ constexpr std::uint64_t kSlack = std::uint64_t{8} << 20;
 const psx::Initializer kInit = psx::Initializer::uniform(-0.05f, 0.05f, 7);
 const psx::optim::Adagrad kOpt{.lr = 0.05};
 
-// A field of /proc/self/status ("VmRSS", "VmHWM"), in bytes (0: not found).
-std::uint64_t proc_status(const char* field) {
-  std::ifstream in("/proc/self/status");
-  std::string line;
-  const std::size_t n = std::strlen(field);
-  while (std::getline(in, line))
-    if (line.compare(0, n, field) == 0 && line.size() > n && line[n] == ':')
-      return std::strtoull(line.c_str() + n + 1, nullptr, 10) * 1024;
-  return 0;
-}
 
 double mib(std::uint64_t bytes) { return static_cast<double>(bytes) / (1 << 20); }
 
