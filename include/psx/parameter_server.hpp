@@ -306,20 +306,27 @@ class ParameterServer {
       // `clock` for a worker it had lost (a restarted process joining a
       // job that went on without it), which resumes at the slowest server's.
       std::vector<std::array<float, 2>> at(servers * local.size());
-      for (std::size_t k = 0; k < local.size(); ++k) {
-        const std::size_t w = local[k];
-        core_->clocks[w] = clock;
-        for (std::size_t s = 0; s < servers; ++s) {
-          Request r;
-          r.op = Op::join;
-          r.worker = static_cast<std::uint32_t>(w);
-          r.clock = clock;
-          Item answer;
-          answer.out = at[k * servers + s];
-          r.items.push_back(answer);
-          r.done = joined;
-          core_->send(s, std::move(r));
+      std::size_t sent = 0;
+      try {
+        for (std::size_t k = 0; k < local.size(); ++k) {
+          const std::size_t w = local[k];
+          core_->clocks[w] = clock;
+          for (std::size_t s = 0; s < servers; ++s) {
+            Request r;
+            r.op = Op::join;
+            r.worker = static_cast<std::uint32_t>(w);
+            r.clock = clock;
+            Item answer;
+            answer.out = at[k * servers + s];
+            r.items.push_back(answer);
+            r.done = joined;
+            core_->send(s, std::move(r));
+            ++sent;
+          }
         }
+      } catch (...) {  // the joins not sent fail; the wait below ends once the servers answered the others into `at`
+        const std::exception_ptr error = std::current_exception();
+        for (; sent < at.size(); ++sent) joined->finish(error);
       }
       core_->wait(config().num_workers, *joined);
       for (std::size_t k = 0; k < local.size(); ++k) {

@@ -576,9 +576,10 @@ class Worker {
         const std::size_t at = out.ids.size(), gone = out.removed.size();
         out.ids.resize(at + h.page.rows);
         out.removed.resize(gone + h.page.removed);
-        std::memcpy(out.ids.data() + at, bytes, h.page.rows * sizeof(std::uint64_t));
-        std::memcpy(out.removed.data() + gone, bytes + h.page.rows * sizeof(std::uint64_t),
-                    h.page.removed * sizeof(std::uint64_t));
+        if (h.page.rows != 0) std::memcpy(out.ids.data() + at, bytes, h.page.rows * sizeof(std::uint64_t));
+        if (h.page.removed != 0)  // (memcpy into an empty vector's null data is undefined, even of 0 bytes)
+          std::memcpy(out.removed.data() + gone, bytes + h.page.rows * sizeof(std::uint64_t),
+                      h.page.removed * sizeof(std::uint64_t));
         const float* rows = page.data() + detail::page_header_floats + 2 * p.capacity;
         out.values.insert(out.values.end(), rows, rows + h.page.rows * dim);
         p.started = true;

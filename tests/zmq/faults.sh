@@ -243,7 +243,10 @@ end_scenario
 # ago). Every process exits 0.
 scenario="SIGKILL a worker under Asynchronous and restart it: it rejoins at the others' step"
 rm -rf "$work/ckpt_async"
-args=(--steps 150 --pause-ms 15 --peer-timeout-ms 2000 --sync async --checkpoint "$work/ckpt_async" --every 10)
+# No collective during the run (no save, no barrier until the end): one
+# under way at the step the worker rejoins at would not count it (see
+# docs/faults.md).
+args=(--steps 150 --pause-ms 15 --peer-timeout-ms 2000 --sync async --checkpoint "$work/ckpt_async" --every 100000)
 if launch_all; then
   sleep 0.5
   kill_quietly "$pid_w2"

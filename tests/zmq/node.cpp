@@ -144,7 +144,7 @@ int run(const Flags& f, const O& optimizer) {
             std::fflush(stdout);
           }
           ckpt->maybe_save(w);
-          if (c % 7 == 0) {
+          if (c % 7 == 0 && f.sync != "async") {  // (async: a worker may rejoin, and a barrier under way would miss it)
             std::printf("%s: barrier at %llu\n", role.c_str(), static_cast<unsigned long long>(c));
             std::fflush(stdout);
             w.barrier();
