@@ -347,6 +347,120 @@ TEST_CASE("optim: a cluster applies each optimizer exactly as direct calls do, d
   check_cluster_matches_direct<psx::optim::Lamb, psx::partition::RoundRobin>(psx::optim::Lamb{0.01}, false);
 }
 
+// Row pushes are applied as they came (storage::Host::apply_raw_rows): rows
+// pushed once straight from the caller's buffer, repeated ones summed first.
+// Whatever the ids, the bits must be those of summing every id in push
+// order and updating each row once (Tensor::rows, the path of before).
+// The shard holds rows [200, 900) of its variable; every other push reads
+// its rows through positions, as a push split over several shards does.
+template <class O>
+void check_row_pushes_bitwise(const O& opt) {
+  INFO(opt);
+  constexpr std::size_t first = 200, rows = 700, width = 5;
+  psx::VariableInfo v;
+  v.meta.name = "v";
+  v.meta.rows = 1000;
+  v.meta.row_width = width;
+  v.meta.kind = psx::VariableKind::sparse;
+  v.meta.shape = {1000, width};
+  v.init = psx::Initializer::uniform(-1, 1, 9);
+  psx::storage::Host::shard<O> shard(opt, v, psx::Shard{0, first, first + rows});
+  Tensor<O> direct(opt, {shard.values().begin(), shard.values().end()}, width);
+  Splitmix64 rng{31};
+  std::vector<std::vector<std::uint64_t>> pushes;  // shard-local rows
+  std::vector<std::uint64_t> all(rows);
+  std::iota(all.begin(), all.end(), 0);
+  for (std::size_t k = rows - 1; k > 0; --k) std::swap(all[k], all[rng.next() % (k + 1)]);
+  pushes.emplace_back(all.begin(), all.begin() + 300);                 // distinct, shuffled
+  std::vector<std::uint64_t> sorted(all.begin() + 100, all.begin() + 400);
+  std::sort(sorted.begin(), sorted.end());
+  pushes.push_back(sorted);                                            // distinct, sorted
+  std::vector<std::uint64_t> zipf(500);
+  for (auto& id : zipf) id = (rng.next() % 4 == 0) ? rng.next() % rows : rng.next() % 7;
+  pushes.push_back(zipf);                                              // a few hot ids, many repeats
+  pushes.push_back(std::vector<std::uint64_t>(64, rows - 1));          // one id 64 times (the last row)
+  std::vector<std::uint64_t> same_bit;                                 // rows 64 apart share a bit position
+  for (std::uint64_t r = 63; r < rows; r += 64) same_bit.push_back(r);
+  same_bit.push_back(63);
+  pushes.push_back(same_bit);
+  std::vector<std::uint64_t> late(all.begin(), all.begin() + 200);     // distinct until the last id
+  late.push_back(all[0]);
+  pushes.push_back(late);
+  pushes.push_back({0, rows - 1, 0, rows - 1, 1, 0});                  // the ends, alternating
+  pushes.push_back(pushes[0]);                                         // again: the marks of before were cleared
+  for (std::size_t p = 0; p < pushes.size(); ++p) {
+    const std::vector<std::uint64_t>& local = pushes[p];
+    const std::size_t n = local.size();
+    std::vector<std::uint64_t> ids(n);
+    for (std::size_t j = 0; j < n; ++j) ids[j] = local[j] + first;
+    // Odd pushes: the rows sit in a buffer twice as long, in another order.
+    std::vector<std::uint32_t> positions;
+    std::vector<float> buffer((p % 2 ? 2 * n : n) * width), g(n * width);
+    for (float& x : buffer) x = rng.uniform();
+    if (p % 2) {
+      for (std::size_t j = 0; j < n; ++j) positions.push_back(static_cast<std::uint32_t>(2 * n - 1 - 2 * j));
+      for (std::size_t j = 0; j < n; ++j)
+        std::copy_n(buffer.begin() + static_cast<std::ptrdiff_t>(positions[j] * width), width,
+                    g.begin() + static_cast<std::ptrdiff_t>(j * width));
+    } else {
+      g = buffer;
+    }
+    direct.rows(local, g);
+    const psx::UpdateContext ctx{direct.t, 1.0, nullptr, direct.t, true};
+    shard.apply_raw_rows(opt, ids, first, positions, buffer, ctx);
+  }
+  CHECK(std::memcmp(shard.values().data(), direct.w.data(), direct.w.size() * sizeof(float)) == 0);
+  for (std::size_t k = 0; k < opt.slots(); ++k)
+    CHECK(std::memcmp(shard.slot_values(k).data(), direct.bases[k], direct.w.size() * sizeof(float)) == 0);
+}
+
+TEST_CASE("optim: row pushes give the bits of summing in push order, whatever the ids") {
+  psx_test::Watchdog dog("row pushes bitwise");
+  check_row_pushes_bitwise(psx::optim::SGD{0.1, 0.9, 0.0, false, 0.01});
+  check_row_pushes_bitwise(psx::optim::Adagrad{0.1, 0.01, 0.0, 0.1});
+  check_row_pushes_bitwise(psx::optim::Adam{0.01});
+  check_row_pushes_bitwise(psx::optim::Ftrl{0.1, -0.5, 0.01, 0.01});
+  // Through a cluster (the server takes the same path): the sparse cases of
+  // "a cluster applies each optimizer exactly as direct calls do".
+}
+
+TEST_CASE("optim: a row push that runs out of memory while summing repeats changes no row") {
+  if (!psx_test::can_fail_allocations()) return;
+  const psx::optim::Adagrad opt{0.1};
+  psx::VariableInfo v;
+  v.meta.name = "v";
+  v.meta.rows = 100;
+  v.meta.row_width = 4;
+  v.meta.kind = psx::VariableKind::sparse;
+  v.meta.shape = {100, 4};
+  v.init = psx::Initializer::uniform(-1, 1, 2);
+  const psx::Shard shard{0, 0, 100};
+  psx::storage::Host::shard<psx::optim::Adagrad> s(opt, v, shard);
+  const std::vector<float> before(s.values().begin(), s.values().end());
+  const std::vector<float> slots_before(s.slot_values(0).begin(), s.slot_values(0).end());
+  std::vector<std::uint64_t> ids(300);
+  for (std::size_t j = 0; j < ids.size(); ++j) ids[j] = (j * 7) % 100;  // every id 3 times
+  const std::vector<float> g(ids.size() * 4, 0.5f);
+  psx::UpdateContext ctx;
+  ctx.rows = true;
+  int failed = 0;
+  for (long n = 0; n < 64; ++n) {
+    psx_test::fail_allocation(n);
+    try {
+      s.apply_raw_rows(opt, ids, 0, {}, g, ctx);
+      psx_test::fail_allocation(-1);
+      break;  // it needed fewer than n allocations: done
+    } catch (const std::bad_alloc&) {
+      psx_test::fail_allocation(-1);
+      ++failed;
+      REQUIRE(std::equal(before.begin(), before.end(), s.values().begin()));
+      REQUIRE(std::equal(slots_before.begin(), slots_before.end(), s.slot_values(0).begin()));
+    }
+  }
+  CHECK(failed > 0);
+  CHECK_FALSE(std::equal(before.begin(), before.end(), s.values().begin()));  // the last try went through
+}
+
 TEST_CASE("optim: LAMB with per_shard_trust_ratio treats each shard as a layer") {
   psx_test::Watchdog dog("lamb per shard");
   const psx::optim::Lamb opt{0.01, 0.9, 0.999, 1e-6, 0.01, true};

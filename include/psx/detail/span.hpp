@@ -43,10 +43,19 @@ inline void copy_floats(float* dst, const float* src, std::size_t n) noexcept {
 //! Asks for the cache lines of `[p, p + bytes)`, `bytes > 0` (the last one
 //! too, where `p` is not on a line): rows read out of order then miss the
 //! caches together instead of one after another.
+//!
+//! The empty volatile asm is what keeps the prefetches: GCC finds a
+//! function whose only effect is a prefetch (this one, or a lambda around
+//! it) "const", and deletes calls to it that it did not inline: the row
+//! updates' prefetches were gone so, and 100k random rows of 8 floats took
+//! 7.5 ms instead of 1-2.
 inline void prefetch_bytes(const void* p, std::size_t bytes) noexcept {
   const auto* c = static_cast<const char*>(p);
   for (std::size_t b = 0; b < bytes; b += 64) __builtin_prefetch(c + b);
   __builtin_prefetch(c + bytes - 1);
+#if defined(__GNUC__)
+  asm volatile("" : : "r"(c) : );
+#endif
 }
 
 }  // namespace detail
