@@ -1,5 +1,9 @@
 // bench_zmq: the ZeroMQ transport next to a raw cppzmq transfer of the same
 // bytes, in the same run, over tcp (loopback) and ipc.
+// Both ends run in this one process, a context each; bench_procs.cpp is the
+// two-process version (the server forked into a process of its own, raw
+// DEALER and ROUTER between the same two processes), with pipelined pushes,
+// sparse pushes next to a dense push of the same bytes, SGD and Adagrad.
 //
 //   push: a worker sends a tensor, the server answers "done"
 //   pull: a worker asks, the server answers the tensor, the worker copies it
