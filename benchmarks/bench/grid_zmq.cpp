@@ -12,6 +12,7 @@
 
 #include <cerrno>
 #include <chrono>
+#include <cstdlib>
 #include <exception>
 #include <filesystem>
 #include <mutex>
@@ -61,6 +62,8 @@ std::vector<psx::ServerStats> run_zmq(const ClusterSetup& c, const WorkerFn& fn)
       z.tf.task = {type, index};
       z.rendezvous = dir.path.string();
       z.start_timeout = std::chrono::milliseconds(20000);
+      // PSX_BUSY_POLL_US=n sets Zmq::busy_poll (0: waiters sleep at once), to compare.
+      if (const char* b = std::getenv("PSX_BUSY_POLL_US")) z.busy_poll = std::chrono::microseconds(std::atoi(b));
       psx::ParameterServer<P, S, psx::optim::SGD, Zmq> cluster(config, P{}, S{}, psx::optim::SGD{c.lr}, z);
       for (const psx::VariableSpec& v : c.variables) cluster.declare(v);
       const std::size_t watched = dog.watch(cluster);

@@ -127,6 +127,7 @@ struct Options {
   std::size_t emb_rows = 100000, emb_dim = 16, ids = 4;
   double zipf = 1.1;
   std::size_t batch = 64;
+  std::size_t pipeline = 2;  // Worker::pipeline_pushes
   std::optional<double> target_mlp, target_embedding;
   std::optional<double> lr_mlp, lr_embedding;
   bool zmq_ipc = false;
@@ -155,6 +156,8 @@ constexpr const char* kUsage = R"(usage: psx-bench [flags]
   --ids K             ids per example (default 4)
   --zipf S            Zipf exponent of the ids (default 1.1)
   --batch N           examples per worker per step (default 64)
+  --pipeline N        pushes each worker leaves unacknowledged
+                      (Worker::pipeline_pushes; default 2, 0: each waits)
   --zmq tcp|ipc       Zmq sockets: tcp on 127.0.0.1 (default) or ipc
   --out DIR           where psx-bench.csv, loss.csv, loss.gp, loss.png go
                       (default psx-bench-results)
@@ -289,6 +292,8 @@ Options parse(int argc, char** argv) {
       o.zipf = parse_positive(flag, value());
     } else if (flag == "--batch") {
       o.batch = parse_count(flag, value());
+    } else if (flag == "--pipeline") {
+      o.pipeline = parse_count(flag, value(), 0);
     } else if (flag == "--zmq") {
       const std::string_view v = value();
       if (v != "tcp" && v != "ipc") throw UsageError("--zmq: expected tcp or ipc, got '" + std::string(v) + "'");
@@ -535,7 +540,7 @@ class Mlp final : public Workload {
           }
         }
       }
-      w_.push_async(std::span<const psx::PushItem>(pushes_)).wait();
+      w_.push(pushes_);  // returns once sent when pushes are pipelined
       return loss;
     }
 
@@ -663,10 +668,9 @@ class Embedding final : public Workload {
           for (std::size_t d = 0; d < dim; ++d) grows_[(b * k + j) * dim + d] = err * wv_[d];
       }
       const psx::PushItem grads[] = {{"w", gw_}, {"b", gb_}};
-      psx::Handle h3 = w_.push_async(grads);
-      psx::Handle h4 = w_.push_rows_async("embedding", ids_, grows_);
-      h3.wait();
-      h4.wait();
+      // Pipelined (--pipeline), each returns once sent; else each waits.
+      w_.push(grads);
+      w_.push_rows("embedding", ids_, grows_);
       return loss / to_double(batch);
     }
 
@@ -728,6 +732,7 @@ struct Budget {
   std::optional<std::size_t> steps;
   std::optional<double> seconds;
   double time_limit = 600;
+  std::size_t pipeline = 0;  // Worker::pipeline_pushes
 };
 
 constexpr std::size_t kLossWindow = 50;
@@ -741,6 +746,7 @@ Result run_cell(const Cell& cell, const Budget& budget, bool zmq_ipc) {
   const Workload& wl = *cell.workload;
   psx_bench::WorkerFn fn = [&](psx::Worker& w) {
     WorkerLog& log = logs[w.index()];
+    w.pipeline_pushes(budget.pipeline);
     std::unique_ptr<Trainer> trainer = wl.trainer(w);
     log.begin = Clock::now();
     Clock::rep expected = 0;
@@ -1144,7 +1150,7 @@ int main(int argc, char** argv) {
     return 2;
   }
 
-  const Budget budget{opt.steps, opt.seconds, *opt.cell_timeout};
+  const Budget budget{opt.steps, opt.seconds, *opt.cell_timeout, opt.pipeline};
   std::printf("psx-bench: %zu cells, %s per cell, batch %zu per worker, %u hardware threads, Zmq over %s\n",
               cells.size(),
               opt.steps ? (std::to_string(*opt.steps) + " steps per worker").c_str()

@@ -81,6 +81,7 @@ class ParameterServer {
                          std::to_string(config.peer_timeout.count()) + " ms");
     core_->config = config;
     core_->clocks.assign(config.num_workers, 0);
+    core_->pipelines = std::vector<detail::PushPipeline>(config.num_workers);  // made in place: a deque does not move without throwing
     core_->rejoined.assign(config.num_workers, 0);
     placed_bytes_.assign(config.num_servers, 0);
   }
@@ -356,6 +357,7 @@ class ParameterServer {
           detail::running_worker = {core_.get(), w};
           try {
             fn(worker);
+            worker.flush();  // pipelined pushes: their errors are the function's
             detail::announce(*core_, w, Op::leave);
           } catch (...) {
             auto error = std::current_exception();
@@ -372,6 +374,7 @@ class ParameterServer {
             }
             detail::announce(*core_, w, Op::fail, reason);
           }
+          core_->pipelines[w].entries.clear();  // after a throw: each handle waits for its call
           if (core_->worker_ends) core_->worker_ends(w);
         });
       }

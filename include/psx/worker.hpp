@@ -23,6 +23,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <deque>
 #include <functional>
 #include <initializer_list>
 #include <limits>
@@ -165,6 +166,18 @@ struct RunningWorker {
 };
 inline thread_local RunningWorker running_worker;
 
+// A worker's pipelined pushes (Worker::pipeline_pushes): sent and not yet
+// acknowledged, oldest first, each with the copy of what it sends.
+struct PushPipeline {
+  struct Entry {
+    std::vector<float> grads;
+    std::vector<std::uint64_t> ids;
+    Handle handle;  // last: destroyed first, it waits for the call before the copies go
+  };
+  std::size_t depth = 0;  // 0: pushes wait for their acknowledgement
+  std::deque<Entry> entries;
+};
+
 // What every worker of a cluster shares: the variables and the way to the servers.
 struct ClusterCore {
   ClusterConfig config;
@@ -174,6 +187,7 @@ struct ClusterCore {
   std::atomic<bool> stopped{false};
   std::vector<std::uint64_t> clocks;  // one per worker, touched only by that worker's thread
   std::vector<std::uint8_t> rejoined;  // per worker: its run() joined a job that went on without it
+  std::vector<PushPipeline> pipelines;  // per worker, touched only by that worker's thread
   std::atomic<std::uint64_t> calls{0};  // numbers the cancellable pulls (Request::call)
   // Set when the link has the optional members of the same names (a
   // simulated cluster): how a worker (or, with an index >= num_workers,
@@ -321,7 +335,14 @@ class Worker {
   }
 
   //! Pushes a gradient for the whole variable `name` (row-major, exactly its size).
+  //! Waits for the servers' acknowledgement unless pushes are pipelined
+  //! (`pipeline_pushes`).
   void push(std::string_view name, std::span<const float> grad) {
+    if (pipelined())
+      return pipelined_push([&](detail::PushPipeline::Entry& e) {
+        e.grads.assign(grad.begin(), grad.end());
+        return push_async(name, e.grads);
+      });
     blocking([&] { return push_async(name, grad); });
   }
   Handle push_async(std::string_view name, std::span<const float> grad) {
@@ -329,8 +350,23 @@ class Worker {
     return push_async(std::span<const PushItem>(&item, 1));
   }
   //! Pushes several variables: one message per server, whatever their number.
-  void push(std::initializer_list<PushItem> items) {
-    blocking([&] { return push_async(std::span(items.begin(), items.size())); });
+  void push(std::initializer_list<PushItem> items) { push(std::span<const PushItem>(items.begin(), items.size())); }
+  void push(std::span<const PushItem> items) {
+    if (pipelined())
+      return pipelined_push([&](detail::PushPipeline::Entry& e) {
+        std::size_t n = 0;
+        for (const PushItem& item : items) n += item.grad.size();
+        e.grads.reserve(n);
+        std::vector<PushItem> copies;
+        copies.reserve(items.size());
+        for (const PushItem& item : items) {
+          const std::size_t at = e.grads.size();
+          e.grads.insert(e.grads.end(), item.grad.begin(), item.grad.end());
+          copies.push_back({item.name, std::span<const float>(e.grads).subspan(at, item.grad.size())});
+        }
+        return push_async(std::span<const PushItem>(copies));
+      });
+    blocking([&] { return push_async(items); });
   }
   Handle push_async(std::span<const PushItem> items) {
     return send_dense(Op::push, items.size(), [&](std::size_t i) { return std::pair{items[i].name, items[i].grad.size()}; },
@@ -378,9 +414,57 @@ class Worker {
   }
 
   //! Pushes gradient rows: row `j` of `grads` is the gradient of row `ids[j]`.
-  //! Repeated ids are summed.
+  //! Repeated ids are summed. Waits for the servers' acknowledgement unless
+  //! pushes are pipelined (`pipeline_pushes`).
   void push_rows(std::string_view name, std::span<const std::uint64_t> ids, std::span<const float> grads) {
+    if (pipelined())
+      return pipelined_push([&](detail::PushPipeline::Entry& e) {
+        e.ids.assign(ids.begin(), ids.end());
+        e.grads.assign(grads.begin(), grads.end());
+        return push_rows_async(name, e.ids, e.grads);
+      });
     blocking([&] { return push_rows_async(name, ids, grads); });
+  }
+
+  // -- pipelined pushes ------------------------------------------------------
+
+  //! Pipelines this worker's pushes: from now on `push` and `push_rows`
+  //! copy the gradient (and the ids), send it and return without waiting
+  //! for the servers' acknowledgement, which comes meanwhile (a server
+  //! answers one worker's requests in order, so the next pull's answer
+  //! comes after it), while at most `depth` pushes are unacknowledged: a
+  //! push beyond that waits for the oldest. A step is then one round trip
+  //! (its pulls) instead of two. A pipelined push that failed (refused by
+  //! the sync policy, a wrong shape a server found, a server lost) has its
+  //! error thrown, unchanged, by this worker's next call (its message names
+  //! the push's variable and server), before that call sends anything;
+  //! `flush()` waits for all of them. `depth` 0 (the default) makes pushes
+  //! wait again (after waiting for those in flight). The `_async` forms
+  //! are not affected: their handles say when they are done.
+  void pipeline_pushes(std::size_t depth) {
+    check_running("pipeline_pushes");
+    detail::PushPipeline& p = pipeline();
+    p.depth = depth;
+    while (p.entries.size() > depth) settle_oldest(p);
+  }
+  //! Pipelined pushes sent and not yet known to be acknowledged.
+  std::size_t pushes_in_flight() const noexcept {
+    return index_ < core_->pipelines.size() ? core_->pipelines[index_].entries.size() : 0;
+  }
+  //! Waits until every pipelined push is acknowledged; throws the error of
+  //! the first one that failed (the others are still waited for).
+  void flush() {
+    check_running("flush");
+    detail::PushPipeline& p = pipeline();
+    std::exception_ptr first;
+    while (!p.entries.empty()) {
+      try {
+        settle_oldest(p);
+      } catch (...) {
+        if (!first) first = std::current_exception();
+      }
+    }
+    if (first) std::rethrow_exception(first);
   }
   Handle push_rows_async(std::string_view name, std::span<const std::uint64_t> ids, std::span<const float> grads) {
     return send_rows(Op::push_rows, name, ids, grads, {}, {});
@@ -620,7 +704,12 @@ class Worker {
   //! function returns: synchronous steps stop waiting for this worker. For
   //! workers driven from threads of your own; calling it again, or after
   //! shutdown, does nothing.
-  void leave() noexcept { detail::announce(*core_, index_, Op::leave); }
+  //! Pipelined pushes still in flight are waited for first (and their
+  //! errors dropped: `flush()` before leaving reports them).
+  void leave() noexcept {
+    if (index_ < core_->pipelines.size()) core_->pipelines[index_].entries.clear();  // each handle waits
+    detail::announce(*core_, index_, Op::leave);
+  }
 
  private:
   friend struct detail::WorkerAccess;
@@ -735,10 +824,52 @@ class Worker {
                             ", which is frozen (trainable = false)");
   }
 
+  // Every call starts here: a call after shutdown is refused, and the
+  // worker's own thread first takes the pipelined pushes that finished,
+  // throwing the error of the first that failed.
   void check_running(std::string_view op) const {
     if (core_->stopped.load(std::memory_order_acquire))
       throw shutdown_error("psx: worker " + std::to_string(index_) + ": " + std::string(op) +
                            " after the cluster shut down");
+    if (waits_as_ == index_ && index_ < core_->pipelines.size()) {
+      detail::PushPipeline& p = core_->pipelines[index_];
+      while (!p.entries.empty() && p.entries.front().handle.ready()) settle_oldest(p);
+    }
+  }
+
+  bool pipelined() const noexcept {
+    return waits_as_ == index_ && index_ < core_->pipelines.size() && core_->pipelines[index_].depth > 0;
+  }
+  detail::PushPipeline& pipeline() const {
+    if (index_ >= core_->pipelines.size())
+      throw config_error("psx: worker " + std::to_string(index_) + ": this cluster keeps no pipelined pushes");
+    return core_->pipelines[index_];
+  }
+  // Waits for the oldest pipelined push and lets it go (its copies only
+  // once it finished); rethrows its error.
+  static void settle_oldest(detail::PushPipeline& p) {
+    struct Pop {
+      detail::PushPipeline& p;
+      ~Pop() { p.entries.pop_front(); }
+    } pop{p};
+    p.entries.front().handle.wait();
+  }
+  // Sends one pipelined push made by `send(entry)` (which copies what it
+  // sends into the entry), first waiting for room. The entry joins the
+  // pipeline once sent (its copies' memory does not move with it); if that
+  // fails, its handle waits for the call before the copies go.
+  template <class Send>
+  void pipelined_push(Send&& send) {
+    detail::PushPipeline& p = pipeline();
+    check_running("push");
+    while (p.entries.size() >= p.depth) settle_oldest(p);
+    detail::PushPipeline::Entry e;
+    e.handle = send(e);
+    if (e.handle.ready()) {  // answered already (in one process, at times): nothing to keep
+      e.handle.wait();
+      return;
+    }
+    p.entries.push_back(std::move(e));
   }
 
   // The tensor's shape; a tensor the adapter cannot view (a column-major

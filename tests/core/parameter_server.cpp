@@ -1332,3 +1332,140 @@ TEST_CASE("a worker declared lost is told so when it comes back") {
   CHECK(h.send(op(psx::Op::join, 1, 0)).empty());  // a new run() admits it again
   CHECK(h.send(op(psx::Op::clock, 1, 1)).empty());
 }
+
+// -- pipelined pushes (Worker::pipeline_pushes) ---------------------------------
+
+// Refuses every push stamped with step 3, whatever the shard: a failure only
+// a server finds.
+struct RefuseStep3 : psx::sync::Asynchronous {
+  struct State : psx::sync::Asynchronous::State {
+    psx::PushAction on_push(const psx::PushInfo& p, const psx::ShardProgress& s, const psx::ServerClock& c) const {
+      if (p.clock == 3) return {psx::PushAction::Kind::reject, 1.0f, 0};
+      return psx::sync::Asynchronous::State::on_push(p, s, c);
+    }
+  };
+  State make_state(std::size_t) const { return {{false, 0.0f}}; }
+};
+
+TEST_CASE("pipelined pushes: copied, applied in order, bounded, and waited for by flush and by run") {
+  Watchdog dog("pipelined pushes");
+  for (const bool synchronous : {false, true}) {
+    INFO((synchronous ? "Synchronous" : "Asynchronous"));
+    auto train = [&](psx::Worker& w, std::size_t depth) {
+      w.pipeline_pushes(depth);
+      std::vector<float> x(6), g(6), rows(2 * 3);
+      const std::vector<std::uint64_t> ids{1, 0};
+      for (int t = 0; t < 20; ++t) {
+        w.pull("x", x);
+        // The gradient depends on what was pulled: a push applied late or
+        // out of order changes every step after it.
+        for (std::size_t i = 0; i < g.size(); ++i) g[i] = 0.5f * x[i] + static_cast<float>(t + 1);
+        w.push("x", g);
+        std::fill(g.begin(), g.end(), -1e9f);  // the caller's buffer is free once push returns
+        for (std::size_t i = 0; i < rows.size(); ++i) rows[i] = static_cast<float>(i + t);
+        w.push_rows("e", ids, rows);
+        std::fill(rows.begin(), rows.end(), -1e9f);
+        CHECK(w.pushes_in_flight() <= depth);
+        w.step();
+      }
+      w.flush();
+      CHECK(w.pushes_in_flight() == 0);
+    };
+    auto run = [&](std::size_t depth) {
+      auto result = [&](auto& ps) {
+        ps.declare(psx::dense("x", {3, 2}));
+        ps.declare(psx::sparse("e", 4, 3));
+        ps.run([&](psx::Worker& w) { train(w, depth); });
+        std::vector<float> out = ps.read("x");
+        const std::vector<float> e = ps.read("e");
+        out.insert(out.end(), e.begin(), e.end());
+        return out;
+      };
+      if (synchronous) {
+        psx::ParameterServer<psx::partition::RowRange, psx::sync::Synchronous> ps({2, 1}, {}, {}, {0.01f});
+        return result(ps);
+      }
+      psx::ParameterServer<psx::partition::RowRange, psx::sync::Asynchronous> ps({2, 1}, {}, {}, {0.01f});
+      return result(ps);
+    };
+    const std::vector<float> waited = run(0);
+    CHECK(run(1) == waited);
+    CHECK(run(4) == waited);
+  }
+}
+
+TEST_CASE("pipelined pushes: a push a server refused is thrown by the worker's next call, unchanged") {
+  Watchdog dog("pipelined push errors");
+  psx::ParameterServer<psx::partition::RowRange, RefuseStep3> ps({1, 1}, {}, {}, {1.0f});
+  ps.declare(psx::dense("x", {2}));
+  ps.start();
+  psx::Worker w = ps.worker(0);
+  w.pipeline_pushes(8);
+  std::vector<float> x(2);
+  const std::vector<float> g{1.0f, 2.0f};
+  for (int t = 0; t < 3; ++t) {
+    w.push("x", g);
+    w.step();
+  }
+  w.push("x", g);  // stamped with step 3: refused by the server, after this returns
+  w.step();
+  // The next call that waits (here a pull) reports it before it sends anything.
+  const std::string error = message_of<psx::sync_error>([&] {
+    for (int k = 0; k < 1000; ++k) w.pull("x", x);  // a pull may come before the refusal is in: ask again
+  });
+  CHECK(error.find("refused a push to 'x' stamped with step 3") != std::string::npos);
+  CHECK(w.pushes_in_flight() == 0);
+  w.push("x", g);  // the worker goes on; nothing else failed
+  w.flush();
+  w.pull("x", x);
+  CHECK(x == std::vector<float>{-4.0f, -8.0f});  // 4 pushes of 5 applied
+  // flush() reports a refused push too.
+  for (int t = 4; t < 7; ++t) w.step();
+  psx::ParameterServer<psx::partition::RowRange, RefuseStep3> ps2({1, 1}, {}, {}, {1.0f});
+  ps2.declare(psx::dense("x", {2}));
+  ps2.start();
+  psx::Worker w2 = ps2.worker(0);
+  w2.pipeline_pushes(8);
+  for (int t = 0; t < 3; ++t) w2.step();
+  w2.push("x", g);
+  CHECK(message_of<psx::sync_error>([&] { w2.flush(); }).find("stamped with step 3") != std::string::npos);
+  w2.flush();  // reported once
+  w.leave();
+  w2.leave();
+}
+
+TEST_CASE("pipelined pushes: the loop of docs/architecture.md trains as the waiting one does") {
+  Watchdog dog("pipelined pushes, documented");
+  const std::vector<std::uint64_t> ids{3, 1, 3, 0};
+  auto compute = [](const std::vector<float>& rows, std::vector<float>& grads) {
+    for (std::size_t i = 0; i < rows.size(); ++i) grads[i] = rows[i] - 1.0f;
+  };
+  auto train = [&](bool pipelined) {
+    psx::ParameterServer<psx::partition::RowRange, psx::sync::Synchronous> ps({2, 1}, {}, {}, {0.5f});
+    ps.declare(psx::sparse("emb", 5, 2, psx::Initializer::uniform(-1, 1, 4)));
+    ps.start();
+    psx::Worker w = ps.worker(0);
+    std::vector<float> rows(ids.size() * 2), grads(rows.size());
+    const int steps = 10;
+    if (pipelined) {
+      w.pipeline_pushes(2);  // at most 2 pushes unacknowledged
+      for (int t = 0; t < steps; ++t) {
+        w.pull_rows("emb", ids, rows);
+        compute(rows, grads);
+        w.push_rows("emb", ids, grads);  // returns once sent: grads may be reused at once
+        w.step();
+      }
+      w.flush();  // waits for the last ones (ParameterServer::run does it too)
+    } else {
+      for (int t = 0; t < steps; ++t) {
+        w.pull_rows("emb", ids, rows);
+        compute(rows, grads);
+        w.push_rows("emb", ids, grads);
+        w.step();
+      }
+    }
+    w.leave();
+    return ps.read("emb");
+  };
+  CHECK(train(true) == train(false));
+}

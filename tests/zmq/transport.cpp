@@ -13,6 +13,8 @@
 #include <zmq_addon.hpp>
 
 #include <poll.h>
+#include <pthread.h>
+#include <sched.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <unistd.h>
@@ -105,7 +107,8 @@ void for_each_task(std::size_t ps, std::size_t workers, bool ipc,
 // at the end.
 template <class P = psx::partition::RowRange, class S = psx::sync::Synchronous, class O = psx::optim::SGD>
 std::map<std::string, std::vector<float>> run_tasks(std::size_t ps, std::size_t workers, bool ipc,
-                                                    std::function<void(Zmq&)> adjust = {}) {
+                                                    std::function<void(Zmq&)> adjust = {},
+                                                    std::function<void(psx::Worker&)> train = psx_zmq_test::train) {
   const psx::ClusterConfig config{ps, workers, std::chrono::milliseconds(20000)};
   std::map<std::string, std::vector<float>> result;
   std::mutex mu;
@@ -113,7 +116,7 @@ std::map<std::string, std::vector<float>> run_tasks(std::size_t ps, std::size_t 
     if (adjust) adjust(z);
     ZmqCluster<P, S, O> cluster(config, {}, {}, O{0.05f}, z);
     psx_zmq_test::declare(cluster);
-    cluster.run(psx_zmq_test::train);
+    cluster.run(train);
     if (type == "chief") {
       auto values = psx_zmq_test::read_all(cluster);
       std::lock_guard lock(mu);
@@ -150,6 +153,61 @@ TEST_CASE("zmq: synchronous training over tcp equals the in-process cluster bit 
   check_bit_identical(zmq, local);
   // And training moved the parameters at all.
   CHECK(zmq.at("b")[0] != 0.5f);
+}
+
+TEST_CASE("zmq: the same with pipelined pushes (acknowledgements behind the next pulls)") {
+  psx_test::Watchdog dog("zmq pipelined pushes", std::chrono::seconds(120));
+  const auto zmq = run_tasks(2, 3, false, {}, [](psx::Worker& w) {
+    w.pipeline_pushes(3);
+    psx_zmq_test::train(w);
+    CHECK(w.pushes_in_flight() <= 3);
+  });
+  check_bit_identical(zmq, run_inprocess(2, 3));
+}
+
+TEST_CASE("zmq: a waiter spins while its spins pay, and backs off 1, 2, 4 ... 256 waits after one that did not") {
+  psx::transport::detail_zmq::Spin spin;
+  auto skipped = [&] {  // waits that do not spin before the next that does
+    int n = 0;
+    while (!spin.wanted()) ++n;
+    return n;
+  };
+  CHECK(skipped() == 0);
+  spin.spun(true, false);  // answered, the CPU its own: spin again at once
+  CHECK(skipped() == 0);
+  std::vector<int> backoff;
+  for (int k = 0; k < 11; ++k) {
+    spin.spun(false, false);  // ran out
+    backoff.push_back(skipped());
+  }
+  CHECK(backoff == std::vector<int>{1, 2, 4, 8, 16, 32, 64, 128, 256, 256, 256});
+  spin.spun(true, true);  // answered, but another thread took the CPU meanwhile: no better
+  CHECK(skipped() == 256);
+  spin.spun(true, false);
+  CHECK(skipped() == 0);
+  spin.spun(true, true);
+  CHECK(skipped() == 1);
+  // The switches it counts: a yield that lets another thread run is involuntary.
+  const long before = psx::transport::detail_zmq::Spin::ceded();
+  std::atomic<bool> stop{false};
+  std::thread other([&] {
+    while (!stop.load()) {
+    }
+  });
+  // Both on one CPU, so that the yields have someone to let run; this
+  // thread's own CPUs back afterwards (later tests run on it).
+  cpu_set_t mine, one;
+  const bool had = pthread_getaffinity_np(pthread_self(), sizeof mine, &mine) == 0;
+  CPU_ZERO(&one);
+  CPU_SET(sched_getcpu(), &one);
+  const bool pinned = had && pthread_setaffinity_np(other.native_handle(), sizeof one, &one) == 0 &&
+                      pthread_setaffinity_np(pthread_self(), sizeof one, &one) == 0;
+  for (int k = 0; k < 2000 && psx::transport::detail_zmq::Spin::ceded() == before; ++k) std::this_thread::yield();
+  const long after = psx::transport::detail_zmq::Spin::ceded();
+  if (had) pthread_setaffinity_np(pthread_self(), sizeof mine, &mine);
+  stop.store(true);
+  other.join();
+  if (pinned) CHECK(after > before);
 }
 
 TEST_CASE("zmq: the same over ipc, with tensors split into 1000-byte chunks") {

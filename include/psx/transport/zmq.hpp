@@ -35,6 +35,7 @@
 #include <poll.h>
 #include <sys/eventfd.h>
 #include <sys/file.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <unistd.h>
@@ -136,7 +137,12 @@ struct Zmq {
   //! CPU only (its affinity set when the cluster starts) does not spin at
   //! all: there the answer comes only when the waiter lets go of the CPU,
   //! and spinning made 4 KiB round trips 1.5x raw libzmq's, against 1.2x
-  //! without (benchmarks/zmq/bench_zmq.cpp under `taskset -c 0`).
+  //! without (benchmarks/zmq/bench_zmq.cpp under `taskset -c 0`). A thread
+  //! spins only while its spins pay: after one that ran out, or during
+  //! which another thread took its CPU, it sleeps at once for its next 1,
+  //! 2, 4, ... 256 waits before it tries again (on a loaded machine a
+  //! spinning worker kept the servers it waited for off the CPUs: the
+  //! embedding sweep made 133-150k examples/s spinning, 264k without).
   std::chrono::microseconds busy_poll{200};
   //! The peer timeout a cluster gets when `ClusterConfig::peer_timeout` is
   //! left at `transport_default`: a server silent this long while a call
@@ -345,6 +351,43 @@ class Waker {
 
  private:
   int fd_;
+};
+
+// Whether a waiting thread spins before it sleeps, from how its spins went.
+// A spin pays where the answer comes within it and the thread had its CPU
+// to itself meanwhile; it costs where the answer comes later (the CPU time
+// of the whole spin, for nothing) or where other threads wanted the CPU
+// (the server or the I/O thread that would answer, on a loaded machine: a
+// yield that let one of them run is an involuntary switch of this thread).
+// After a spin that did not pay, the thread sleeps at once for its next
+// 1, 2, 4, ... up to 256 waits, then tries a spin again; one that paid
+// starts it over. On a loaded machine it spins on 1 wait in 257, and on an
+// idle one with answers within the spin, on every wait.
+class Spin {
+ public:
+  bool wanted() noexcept {
+    if (skip_ == 0) return true;
+    --skip_;
+    return false;
+  }
+  void spun(bool answered, bool shared_cpu) noexcept {
+    if (answered && !shared_cpu) {
+      backoff_ = 0;
+      return;
+    }
+    backoff_ = backoff_ == 0 ? 1 : std::min<unsigned>(2 * backoff_, 256);
+    skip_ = backoff_;
+  }
+  // The calling thread's involuntary context switches so far.
+  static long ceded() noexcept {
+    ::rusage u{};
+    if (::getrusage(RUSAGE_THREAD, &u) != 0) return 0;
+    return u.ru_nivcsw;
+  }
+
+ private:
+  unsigned skip_ = 0;
+  unsigned backoff_ = 0;
 };
 
 // The threads waiting in `await`, each for one completion and each on an
@@ -741,9 +784,10 @@ class Zmq::link_type {
       }
       if (undrained || done.ready()) continue;
       int ready = 0;
-      if (!spun && small && busy_poll_.count() > 0) {
+      if (!spun && small && busy_poll_.count() > 0 && spin_.wanted()) {
         spun = true;
         const auto until = clock::now() + busy_poll_;
+        const long ceded = detail_zmq::Spin::ceded();
         // Yielding between looks: the libzmq I/O thread that moves the
         // answer may share this CPU (a process pinned to one), and a spin
         // that kept it off would wait out its whole length.
@@ -752,6 +796,7 @@ class Zmq::link_type {
           if (ready != 0 || clock::now() >= until) break;
           std::this_thread::yield();
         }
+        spin_.spun(ready != 0, detail_zmq::Spin::ceded() != ceded);
       }
       // Every wake-up is told (an answer on a socket, a finish on this
       // thread's eventfd); the timeout is a safety net, longer than a tick.
@@ -2234,6 +2279,7 @@ class Zmq::link_type {
 
   Zmq settings_;
   const std::chrono::microseconds busy_poll_;  // settings_.busy_poll, or none on one CPU
+  inline static thread_local detail_zmq::Spin spin_;  // this thread's spins: whether they pay
   TransportContext ctx_;
   std::uint64_t fingerprint_;
   // Callers in await, and their wake-ups (before zctx_: libzmq may let go
