@@ -230,59 +230,43 @@ struct Host {
     }
 
     //! Applies a row push as it came: shard row `ids[j] - first_row` gets
-    //! gradient row `positions[j]` (or j) of `grads` (`ctx.rows` set). The
-    //! rows of ids pushed once (every id, in the common case) are applied
-    //! straight from `grads`; only those of repeated ids are summed first,
-    //! in push order, as `apply_rows` gets them from a RowAccumulator, so
-    //! that both give the same bits. Two bits a row, kept between calls,
-    //! tell which ids repeat (one pass over the ids; the bits are cleared by
-    //! a second); a bad_alloc while summing repeats leaves every row as it was.
+    //! gradient row `positions[j]` (or j) of `grads` (`ctx.rows` set). Where
+    //! no id repeats (ids in increasing order, or none seen twice by a bit a
+    //! row kept between calls), each row is updated straight from `grads`;
+    //! otherwise the rows are summed first, in push order, as `apply_rows`
+    //! gets them from a RowAccumulator, and both give the same bits. (Summing
+    //! only the repeated ids and updating the others straight from `grads`
+    //! was slower for a Zipf(1.1) stream: 100k ids, 24k distinct, 2.7 ms
+    //! against 2.1 for summing all.) A bad_alloc while summing leaves every
+    //! row as it was.
     void apply_raw_rows(const O& optimizer, std::span<const std::uint64_t> ids, std::size_t first_row,
                         std::span<const std::uint32_t> positions, std::span<const float> grads,
                         const UpdateContext& ctx) {
       if (ids.empty() || width_ == 0) return;
-      const std::size_t words = (size() / width_ + 63) / 64;
-      if (seen_.size() != words || repeated_.size() != words) {
-        std::vector<std::uint64_t> seen(words, 0), repeated(words, 0);
-        seen_.swap(seen);
-        repeated_.swap(repeated);
-      }
       auto grad = [&](std::size_t j) { return grads.data() + (positions.empty() ? j : positions[j]) * width_; };
+      auto direct = [&] { update_rows(optimizer, ids.size(), [&](std::size_t j) { return ids[j] - first_row; }, grad, ctx); };
+      if (std::is_sorted(ids.begin(), ids.end(), std::less_equal<>())) return direct();  // strictly increasing
+      const std::size_t words = (size() / width_ + 63) / 64;
+      if (seen_.size() != words) {
+        std::vector<std::uint64_t> seen(words, 0);
+        seen_.swap(seen);
+      }
+      // Marks each row, up to the first repeat; then unmarks what it marked.
+      std::size_t marked = 0;
       bool repeats = false;
-      for (const std::uint64_t id : ids) {
-        const std::uint64_t row = id - first_row, bit = std::uint64_t{1} << (row % 64);
-        std::uint64_t& seen = seen_[row / 64];
-        if (seen & bit) {
-          repeated_[row / 64] |= bit;
+      for (; marked < ids.size(); ++marked) {
+        const std::uint64_t row = ids[marked] - first_row, bit = std::uint64_t{1} << (row % 64);
+        std::uint64_t& word = seen_[row / 64];
+        if (word & bit) {
           repeats = true;
+          break;
         }
-        seen |= bit;
+        word |= bit;
       }
-      struct Clear {
-        shard& s;
-        std::span<const std::uint64_t> ids;
-        std::size_t first_row;
-        ~Clear() {
-          for (const std::uint64_t id : ids) s.seen_[(id - first_row) / 64] = s.repeated_[(id - first_row) / 64] = 0;
-        }
-      } clear{*this, ids, first_row};
-      if (!repeats) {
-        update_rows(optimizer, ids.size(), [&](std::size_t j) { return ids[j] - first_row; }, grad, ctx);
-        return;
-      }
-      auto repeated = [&](std::size_t j) {
-        const std::uint64_t row = ids[j] - first_row;
-        return (repeated_[row / 64] >> (row % 64)) & 1;
-      };
+      for (std::size_t j = 0; j < marked; ++j) seen_[(ids[j] - first_row) / 64] = 0;
+      if (!repeats) return direct();
       sums_.reset(width_);
-      for (std::size_t j = 0; j < ids.size(); ++j)
-        if (repeated(j)) sums_.add(ids[j] - first_row, grad(j));
-      // The ids pushed once, in push order, then the sums.
-      once_.clear();
-      for (std::size_t j = 0; j < ids.size(); ++j)
-        if (!repeated(j)) once_.push_back(static_cast<std::uint32_t>(j));
-      update_rows(optimizer, once_.size(), [&](std::size_t k) { return ids[once_[k]] - first_row; },
-                  [&](std::size_t k) { return grad(once_[k]); }, ctx);
+      for (std::size_t j = 0; j < ids.size(); ++j) sums_.add(ids[j] - first_row, grad(j));
       apply_rows(optimizer, sums_, ctx);
     }
 
@@ -327,11 +311,10 @@ struct Host {
     detail::FloatBuffer slots_;
     std::vector<float*> bases_;
     std::vector<std::uint16_t> low_;
-    // apply_raw_rows's scratch: which rows a push names (once, repeated),
-    // the sums of repeated ones, the positions of the others.
-    std::vector<std::uint64_t> seen_, repeated_;
+    // apply_raw_rows's scratch: a bit per row (all clear between calls),
+    // and the sums of a push with repeated ids.
+    std::vector<std::uint64_t> seen_;
     detail::RowAccumulator sums_;
-    std::vector<std::uint32_t> once_;
   };
 };
 
