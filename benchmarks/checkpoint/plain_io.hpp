@@ -47,7 +47,8 @@ inline bool drop_caches() {
   return ok;
 }
 
-inline void plain_write(const fs::path& file, const std::byte* data, std::size_t size) {
+// `sync`: fsync before closing, as psx's checkpoint and export files are.
+inline void plain_write(const fs::path& file, const std::byte* data, std::size_t size, bool sync = true) {
   const int fd = ::open(file.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) die("open " + file.string());
   for (std::size_t done = 0; done < size;) {
@@ -56,7 +57,7 @@ inline void plain_write(const fs::path& file, const std::byte* data, std::size_t
     if (w <= 0) die("write " + file.string());
     done += static_cast<std::size_t>(w);
   }
-  if (::fsync(fd) != 0) die("fsync " + file.string());
+  if (sync && ::fsync(fd) != 0) die("fsync " + file.string());
   ::close(fd);
 }
 
@@ -82,11 +83,11 @@ inline std::uint64_t shard_bytes(const fs::path& dir) {
   return sum;
 }
 
-// A directory of this run's own under the temp directory, removed with
-// what it holds when the run ends.
+// A directory of this run's own under the temp directory (or `base`),
+// removed with what it holds when the run ends.
 struct ScratchDir {
-  explicit ScratchDir(const std::string& prefix)
-      : path(fs::temp_directory_path() / (prefix + "-" + std::to_string(::getpid()))) {
+  explicit ScratchDir(const std::string& prefix, const fs::path& base = fs::temp_directory_path())
+      : path(base / (prefix + "-" + std::to_string(::getpid()))) {
     fs::remove_all(path);
     fs::create_directories(path);
   }

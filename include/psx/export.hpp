@@ -37,12 +37,14 @@
 #include <cereal/types/vector.hpp>
 
 #include <algorithm>
+#include <array>
 #include <charconv>
 #include <chrono>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <deque>
 #include <filesystem>
 #include <map>
 #include <optional>
@@ -238,24 +240,49 @@ inline bool matches(const std::vector<std::string>& patterns, const std::string&
                      [&](const std::string& p) { return ::psx::sync::detail::glob_match(p, name); });
 }
 
-inline bool is_zero(const ExportedTensor& t, std::size_t i) {
-  const std::byte* p = t.values.data() + i * dtype_bytes(t.dtype);
-  if (t.dtype == "float32") return (ck::get<std::uint32_t>(p) & 0x7fffffffu) == 0;
-  if (t.dtype == "int8") return static_cast<std::int8_t>(*p) == 0;
-  return (ck::get<std::uint16_t>(p) & 0x7fffu) == 0;
+// Elements of `e` bytes (as a dtype stores them) that are zero, of either
+// sign: float32 without its sign bit, the 16-bit types likewise, int8 and
+// uint64 as they are.
+inline bool zero_at(const std::byte* p, std::size_t e) noexcept {
+  if (e == 4) return (ck::get<std::uint32_t>(p) & 0x7fffffffu) == 0;
+  if (e == 2) return (ck::get<std::uint16_t>(p) & 0x7fffu) == 0;
+  if (e == 8) return ck::get<std::uint64_t>(p) == 0;
+  return *p == std::byte{0};
+}
+inline std::size_t count_zeros(std::span<const std::byte> values, std::size_t e) noexcept {
+  std::size_t zeros = 0;
+  const std::size_t n = values.size() / e;
+  // One loop per width (the compiler vectorizes them): this runs over
+  // every exported element.
+  if (e == 4) {
+    for (std::size_t i = 0; i < n; ++i) zeros += (ck::get<std::uint32_t>(values.data() + 4 * i) & 0x7fffffffu) == 0;
+  } else if (e == 2) {
+    for (std::size_t i = 0; i < n; ++i) zeros += (ck::get<std::uint16_t>(values.data() + 2 * i) & 0x7fffu) == 0;
+  } else {
+    for (std::size_t i = 0; i < n; ++i) zeros += zero_at(values.data() + e * i, e);
+  }
+  return zeros;
 }
 
-inline ExportedTensor convert(const Source& s, const ExportOptions& o) {
+// The tensor `s` is stored as, as `o` says. With `borrow`, a float32 tensor
+// stored whole is not copied: its `values` stay empty and its bytes are
+// the source's floats (`stored_bytes`), which must then outlive it.
+inline ExportedTensor convert(const Source& s, const ExportOptions& o, bool borrow = false) {
   ExportedTensor t;
   t.name = s.name;
   t.shape = s.shape;
   t.trainable = s.trainable;
   const std::size_t n = s.values.size();
   const ExportPrecision p = matches(o.keep_float32, s.name) ? ExportPrecision::float32 : o.precision;
+  std::span<const std::byte> as_stored;
   switch (p) {
     case ExportPrecision::float32:
-      t.values.resize(n * 4);
-      if (n) std::memcpy(t.values.data(), s.values.data(), n * 4);
+      if (borrow) {
+        as_stored = std::as_bytes(std::span(s.values));
+      } else {
+        t.values.resize(n * 4);
+        if (n) std::memcpy(t.values.data(), s.values.data(), n * 4);
+      }
       break;
     case ExportPrecision::float16:
     case ExportPrecision::bfloat16: {
@@ -289,18 +316,17 @@ inline ExportedTensor convert(const Source& s, const ExportOptions& o) {
       break;
     }
   }
+  if (as_stored.empty()) as_stored = t.values;
   // Mostly zeros: keep the others only.
-  std::size_t zeros = 0;
-  for (std::size_t i = 0; i < n; ++i) zeros += is_zero(t, i);
+  const std::size_t e = dtype_bytes(t.dtype);
+  const std::size_t zeros = count_zeros(as_stored, e);
   if (n > 0 && static_cast<double>(zeros) >= o.sparse_above * static_cast<double>(n)) {
-    const std::size_t e = dtype_bytes(t.dtype);
-    std::vector<std::byte> kept;
-    kept.reserve((n - zeros) * e);
+    std::vector<std::byte> kept((n - zeros) * e);
+    t.indices.reserve(n - zeros);
     for (std::size_t i = 0; i < n; ++i)
-      if (!is_zero(t, i)) {
+      if (!zero_at(as_stored.data() + i * e, e)) {
+        std::memcpy(kept.data() + t.indices.size() * e, as_stored.data() + i * e, e);
         t.indices.push_back(i);
-        kept.insert(kept.end(), t.values.begin() + static_cast<std::ptrdiff_t>(i * e),
-                    t.values.begin() + static_cast<std::ptrdiff_t>((i + 1) * e));
       }
     t.values = std::move(kept);
     t.sparse = true;
@@ -308,32 +334,60 @@ inline ExportedTensor convert(const Source& s, const ExportOptions& o) {
   return t;
 }
 
+// The bytes `t` stores: its own values, or the floats of the source it was
+// converted from with `borrow`.
+inline std::span<const std::byte> stored_bytes(const ExportedTensor& t, const Source& s) noexcept {
+  if (t.values.empty() && !t.sparse && t.dtype == "float32") return std::as_bytes(std::span(s.values));
+  return t.values;
+}
+
+// A tensor as the files get it: its description and its stored bytes.
+struct Written {
+  const ExportedTensor* tensor = nullptr;
+  std::span<const std::byte> values;
+};
+
+inline std::vector<Written> written(const std::vector<ExportedTensor>& tensors) {
+  std::vector<Written> out;
+  out.reserve(tensors.size());
+  for (const ExportedTensor& t : tensors) out.push_back({&t, t.values});
+  return out;
+}
+
 // -- model.psx: the checkpoint envelope, kind 3 ------------------------------------
 
-inline std::string encode_index(const std::vector<ExportedTensor>& tensors, std::uint64_t& data_bytes) {
+inline std::string encode_index(std::span<const Written> tensors, std::uint64_t& data_bytes) {
   std::ostringstream os;
   data_bytes = 0;
   {
     cereal::PortableBinaryOutputArchive ar(os, cereal::PortableBinaryOutputArchive::Options::LittleEndian());
     ar(static_cast<std::uint64_t>(tensors.size()));
-    for (const ExportedTensor& t : tensors) {
+    for (const Written& w : tensors) {
+      const ExportedTensor& t = *w.tensor;
       std::string name = t.name, dtype = t.dtype, quant = t.quantization;
       ar(ck::BoundedString{&name}, ck::BoundedString{&dtype}, ck::BoundedString{&quant},
          static_cast<std::uint64_t>(t.shape.size()));
       for (auto e : t.shape) ar(e);
       ar(static_cast<std::uint64_t>(t.scales.size()));
       for (float s : t.scales) ar(s);
-      ar(t.trainable, t.sparse, static_cast<std::uint64_t>(t.indices.size()), static_cast<std::uint64_t>(t.values.size()));
-      data_bytes += t.indices.size() * 8 + t.values.size();
+      ar(t.trainable, t.sparse, static_cast<std::uint64_t>(t.indices.size()), static_cast<std::uint64_t>(w.values.size()));
+      data_bytes += t.indices.size() * 8 + w.values.size();
     }
   }
   return std::move(os).str();
 }
 
 //! Parses a model.psx index and takes each tensor's bytes from `data`;
-//! throws checkpoint_error (the fuzz target calls this).
-inline std::vector<ExportedTensor> decode_model(std::span<const std::byte> meta, std::span<const std::byte> data,
-                                                const fs::path& file, std::uint32_t version = format_version) {
+//! throws checkpoint_error (the fuzz target calls decode_model).
+//!
+//! The general form (decode_model_with): the data part has `data_bytes` bytes, and `take(at,
+//! out, n)` puts its `n` bytes at offset `at` into the vector `out` (each
+//! byte of it once, in order: a reader from a file may CRC them as they
+//! pass); `taken()` is called once they all are, before the sparse indices
+//! read are checked (a reader checks their CRC there first).
+template <class Take, class Taken>
+std::vector<ExportedTensor> decode_model_with(std::span<const std::byte> meta, std::uint64_t data_bytes,
+                                              const fs::path& file, std::uint32_t version, Take&& take, Taken&& taken) {
   std::vector<ExportedTensor> out;
   std::uint64_t at = 0;
   auto bounded = [&](std::uint64_t n, std::uint64_t each, const char* what) {
@@ -375,8 +429,8 @@ inline std::vector<ExportedTensor> decode_model(std::span<const std::byte> meta,
       }
       const std::uint64_t e = dtype_bytes(t.dtype);
       const std::uint64_t stored = t.sparse ? indices : elements;
-      if (indices > data.size() / 8 || (!t.sparse && indices != 0) || stored > elements ||
-          bytes != stored * e || at > data.size() || indices * 8 + bytes > data.size() - at)
+      if (indices > data_bytes / 8 || (!t.sparse && indices != 0) || stored > elements ||
+          bytes != stored * e || at > data_bytes || indices * 8 + bytes > data_bytes - at)
         ck::fail(file, what + ": " + std::to_string(indices) + " indices and " + std::to_string(bytes) +
                            " bytes do not fit its shape or the data part");
       const bool q = t.dtype == "int8";
@@ -385,13 +439,14 @@ inline std::vector<ExportedTensor> decode_model(std::span<const std::byte> meta,
           (t.quantization != "none" && t.quantization != "per_tensor" && t.quantization != "per_channel"))
         ck::fail(file, what + ": quantization '" + t.quantization + "' with " + std::to_string(scales) + " scales for " +
                            t.dtype);
-      t.indices.resize(indices);
-      if (indices) std::memcpy(t.indices.data(), data.data() + at, indices * 8);
-      for (std::size_t i = 0; i < indices; ++i)
-        if (t.indices[i] >= elements || (i > 0 && t.indices[i] <= t.indices[i - 1]))
-          ck::fail(file, what + ": sparse indices out of order or beyond its " + std::to_string(elements) + " elements");
+      if (indices) {
+        std::vector<std::byte> raw;
+        take(at, raw, static_cast<std::size_t>(indices * 8));
+        t.indices.resize(indices);
+        std::memcpy(t.indices.data(), raw.data(), raw.size());
+      }
       at += indices * 8;
-      t.values.assign(data.begin() + static_cast<std::ptrdiff_t>(at), data.begin() + static_cast<std::ptrdiff_t>(at + bytes));
+      take(at, t.values, static_cast<std::size_t>(bytes));
       at += bytes;
     }
     if (is.rdbuf()->in_avail() != 0) ck::fail(file, "bytes after its index");
@@ -402,11 +457,30 @@ inline std::vector<ExportedTensor> decode_model(std::span<const std::byte> meta,
   } catch (const std::exception& e) {
     ck::fail(file, std::string("bad index: ") + e.what());
   }
-  if (at != data.size()) ck::fail(file, std::to_string(data.size() - at) + " data bytes no tensor claims");
+  if (at != data_bytes) ck::fail(file, std::to_string(data_bytes - at) + " data bytes no tensor claims");
+  taken();
+  for (const ExportedTensor& t : out) {
+    const std::uint64_t elements = t.elements();
+    for (std::size_t i = 0; i < t.indices.size(); ++i)
+      if (t.indices[i] >= elements || (i > 0 && t.indices[i] <= t.indices[i - 1]))
+        ck::fail(file, "tensor '" + t.name + "': sparse indices out of order or beyond its " + std::to_string(elements) +
+                           " elements");
+  }
   return out;
 }
 
-inline void write_model(const fs::path& file, const std::vector<ExportedTensor>& tensors, std::uint64_t step,
+inline std::vector<ExportedTensor> decode_model(std::span<const std::byte> meta, std::span<const std::byte> data,
+                                                const fs::path& file, std::uint32_t version = format_version) {
+  return decode_model_with(
+      meta, data.size(), file, version,
+      [&](std::uint64_t at, std::vector<std::byte>& out, std::size_t n) {
+        const auto from = data.begin() + static_cast<std::ptrdiff_t>(at);
+        out.assign(from, from + static_cast<std::ptrdiff_t>(n));
+      },
+      [] {});
+}
+
+inline void write_model(const fs::path& file, std::span<const Written> tensors, std::uint64_t step,
                         std::uint32_t version) {
   ck::Header h;
   h.version = version;
@@ -415,20 +489,31 @@ inline void write_model(const fs::path& file, const std::vector<ExportedTensor>&
   const std::string index = encode_index(tensors, h.data_bytes);
   h.meta_bytes = index.size();
   h.meta_crc = ::psx::detail::crc32c(std::as_bytes(std::span(index)));
+  ck::AtomicFile out(file);
+  std::array<std::byte, ck::header_bytes> zero{};
+  out.write(zero);  // the real header, with the data's CRC, goes in last
+  out.write(std::as_bytes(std::span(index)));
+  // One pass: a block at a time CRC'd while in cache, then written.
   std::uint32_t crc = 0;
-  for (const ExportedTensor& t : tensors) {
-    crc = ::psx::detail::crc32c(std::as_bytes(std::span(t.indices)), crc);
-    crc = ::psx::detail::crc32c(t.values, crc);
+  constexpr std::size_t block = std::size_t{4} << 20;
+  auto put = [&](std::span<const std::byte> bytes) {
+    for (std::size_t at = 0; at < bytes.size(); at += block) {
+      const auto part = bytes.subspan(at, std::min(block, bytes.size() - at));
+      crc = ::psx::detail::crc32c(part, crc);
+      out.write(part);
+    }
+  };
+  for (const Written& w : tensors) {
+    put(std::as_bytes(std::span(w.tensor->indices)));
+    put(w.values);
   }
   h.data_crc = crc;
-  ck::AtomicFile out(file);
-  out.write(ck::encode_header(h));
-  out.write(std::as_bytes(std::span(index)));
-  for (const ExportedTensor& t : tensors) {
-    out.write(std::as_bytes(std::span(t.indices)));
-    out.write(t.values);
-  }
+  out.write_at(0, ck::encode_header(h));
   out.commit();
+}
+inline void write_model(const fs::path& file, const std::vector<ExportedTensor>& tensors, std::uint64_t step,
+                        std::uint32_t version) {
+  write_model(file, written(tensors), step, version);
 }
 
 // -- model.npz: a zip (stored) of .npy arrays ----------------------------------------
@@ -447,68 +532,113 @@ inline std::string npy_header(const char* descr, const std::vector<std::uint64_t
   return out + dict;
 }
 
+// A zip archive of stored (uncompressed) members, written as it goes: each
+// member's bytes once, CRC'd a block at a time while in cache, its local
+// header's CRC written in after them. ZIP64 (APPNOTE 4.5) where a member,
+// an offset or the member count needs it, and only there: an archive that
+// fits classic zip stays classic zip.
 class ZipWriter {
  public:
   explicit ZipWriter(const fs::path& file) : out_(file), file_(file) {}
   void add(const std::string& name, const std::string& head, std::span<const std::byte> body) {
     const std::uint64_t size = head.size() + body.size();
-    if (name.size() > 0xffffu || entries_ == 0xffffu)
-      ck::fail(file_, "an .npz member name over 65535 bytes, or more than 65535 members: zip without ZIP64 has no room");
-    if (size > 0xfffffffeu || offset_ + size + 30 + name.size() > 0xfffffffeu)
-      ck::fail(file_, "an .npz over 4 GiB needs ZIP64, which psx does not write; export safetensors or model.psx");
-    std::uint32_t crc = ::psx::detail::crc32_ieee(std::as_bytes(std::span(head)));
-    crc = ::psx::detail::crc32_ieee(body, crc);
+    if (name.size() > 0xffffu) ck::fail(file_, "an .npz member name over 65535 bytes: zip has no room for it");
+    const bool big = size >= 0xffffffffu;           // its sizes in a ZIP64 extra field
+    const bool far = offset_ >= 0xffffffffu;        // its header's offset, likewise (central directory)
     std::string local;
     put32(local, 0x04034b50);
     // Flag bit 11: the name is UTF-8 (else readers take it as code page 437).
     const bool utf8 = std::any_of(name.begin(), name.end(), [](char c) { return static_cast<unsigned char>(c) >= 0x80; });
     const std::uint16_t flags = utf8 ? 0x0800 : 0;
-    put16(local, 20);  // version needed
+    const std::uint16_t needed = big || far ? 45 : 20;  // 4.5: ZIP64
+    put16(local, needed);
     put16(local, flags);
-    put16(local, 0);   // stored
-    put16(local, 0);   // time
+    put16(local, 0);     // stored
+    put16(local, 0);     // time
     put16(local, 0x21);  // date: 1980-01-01
-    put32(local, crc);
-    put32(local, static_cast<std::uint32_t>(size));
-    put32(local, static_cast<std::uint32_t>(size));
+    put32(local, 0);     // CRC-32, written in once the body is
+    put32(local, big ? 0xffffffffu : static_cast<std::uint32_t>(size));
+    put32(local, big ? 0xffffffffu : static_cast<std::uint32_t>(size));
     put16(local, static_cast<std::uint16_t>(name.size()));
-    put16(local, 0);
+    put16(local, big ? 20 : 0);
     local += name;
+    if (big) {
+      put16(local, 0x0001);  // the ZIP64 extra field: original and compressed sizes
+      put16(local, 16);
+      put64(local, size);
+      put64(local, size);
+    }
+    out_.write(std::as_bytes(std::span(local)));
+    std::uint32_t crc = ::psx::detail::crc32_ieee(std::as_bytes(std::span(head)));
+    out_.write(std::as_bytes(std::span(head)));
+    constexpr std::size_t block = std::size_t{4} << 20;
+    for (std::size_t at = 0; at < body.size(); at += block) {
+      const auto part = body.subspan(at, std::min(block, body.size() - at));
+      crc = ::psx::detail::crc32_ieee(part, crc);
+      out_.write(part);
+    }
+    std::string crc_bytes;
+    put32(crc_bytes, crc);
+    out_.write_at(static_cast<std::size_t>(offset_) + 14, std::as_bytes(std::span(crc_bytes)));
     std::string central;
     put32(central, 0x02014b50);
-    put16(central, 20);
-    put16(central, 20);
+    put16(central, needed);  // made by (MS-DOS, this version)
+    put16(central, needed);
     put16(central, flags);
     put16(central, 0);
     put16(central, 0);
     put16(central, 0x21);
     put32(central, crc);
-    put32(central, static_cast<std::uint32_t>(size));
-    put32(central, static_cast<std::uint32_t>(size));
+    put32(central, big ? 0xffffffffu : static_cast<std::uint32_t>(size));
+    put32(central, big ? 0xffffffffu : static_cast<std::uint32_t>(size));
     put16(central, static_cast<std::uint16_t>(name.size()));
-    put16(central, 0);  // extra
+    put16(central, static_cast<std::uint16_t>((big ? 16 : 0) + (far ? 8 : 0) + (big || far ? 4 : 0)));
     put16(central, 0);  // comment
     put16(central, 0);  // disk
     put16(central, 0);  // internal attributes
     put32(central, 0);  // external attributes
-    put32(central, static_cast<std::uint32_t>(offset_));
+    put32(central, far ? 0xffffffffu : static_cast<std::uint32_t>(offset_));
     central += name;
+    if (big || far) {  // the fields set to 0xffffffff above, in this order
+      put16(central, 0x0001);
+      put16(central, static_cast<std::uint16_t>((big ? 16 : 0) + (far ? 8 : 0)));
+      if (big) {
+        put64(central, size);
+        put64(central, size);
+      }
+      if (far) put64(central, offset_);
+    }
     directory_ += central;
-    out_.write(std::as_bytes(std::span(local)));
-    out_.write(std::as_bytes(std::span(head)));
-    out_.write(body);
     offset_ += local.size() + size;
     ++entries_;
   }
   void finish() {
+    const std::uint64_t at = offset_;
+    const bool zip64 = entries_ >= 0xffffu || at >= 0xffffffffu || directory_.size() >= 0xffffffffu;
     std::string end;
+    if (zip64) {
+      put32(end, 0x06064b50);  // the ZIP64 end of central directory record
+      put64(end, 44);          // its size after this field
+      put16(end, 45);
+      put16(end, 45);
+      put32(end, 0);
+      put32(end, 0);
+      put64(end, entries_);
+      put64(end, entries_);
+      put64(end, directory_.size());
+      put64(end, at);
+      put32(end, 0x07064b50);  // its locator
+      put32(end, 0);
+      put64(end, at + directory_.size());
+      put32(end, 1);
+    }
     put32(end, 0x06054b50);
     put16(end, 0);
     put16(end, 0);
-    put16(end, static_cast<std::uint16_t>(entries_));
-    put16(end, static_cast<std::uint16_t>(entries_));
-    put32(end, static_cast<std::uint32_t>(directory_.size()));
-    put32(end, static_cast<std::uint32_t>(offset_));
+    put16(end, static_cast<std::uint16_t>(std::min<std::uint64_t>(entries_, 0xffffu)));
+    put16(end, static_cast<std::uint16_t>(std::min<std::uint64_t>(entries_, 0xffffu)));
+    put32(end, static_cast<std::uint32_t>(std::min<std::uint64_t>(directory_.size(), 0xffffffffu)));
+    put32(end, static_cast<std::uint32_t>(std::min<std::uint64_t>(at, 0xffffffffu)));
     put16(end, 0);
     out_.write(std::as_bytes(std::span(directory_)));
     out_.write(std::as_bytes(std::span(end)));
@@ -518,11 +648,12 @@ class ZipWriter {
  private:
   static void put16(std::string& s, std::uint16_t v) { s.append(reinterpret_cast<const char*>(&v), 2); }
   static void put32(std::string& s, std::uint32_t v) { s.append(reinterpret_cast<const char*>(&v), 4); }
+  static void put64(std::string& s, std::uint64_t v) { s.append(reinterpret_cast<const char*>(&v), 8); }
   ck::AtomicFile out_;
   fs::path file_;
   std::string directory_;
   std::uint64_t offset_ = 0;
-  std::size_t entries_ = 0;
+  std::uint64_t entries_ = 0;
 };
 
 inline const char* npy_descr(const std::string& dtype) {
@@ -550,11 +681,12 @@ inline bool escapes_directory(std::string_view name) {
   return false;
 }
 
-inline void write_npz(const fs::path& file, const std::vector<ExportedTensor>& tensors) {
+inline void write_npz(const fs::path& file, std::span<const Written> tensors) {
   ZipWriter zip(file);
-  for (const ExportedTensor& t : tensors) {
+  for (const Written& w : tensors) {
+    const ExportedTensor& t = *w.tensor;
     const std::vector<std::uint64_t> stored = t.sparse ? std::vector<std::uint64_t>{t.indices.size()} : t.shape;
-    zip.add(t.name + (t.sparse ? ".values" : "") + ".npy", npy_header(npy_descr(t.dtype), stored), t.values);
+    zip.add(t.name + (t.sparse ? ".values" : "") + ".npy", npy_header(npy_descr(t.dtype), stored), w.values);
     if (t.sparse) {
       zip.add(t.name + ".indices.npy", npy_header("<u8", {t.indices.size()}), std::as_bytes(std::span(t.indices)));
       zip.add(t.name + ".shape.npy", npy_header("<u8", {t.shape.size()}), std::as_bytes(std::span(t.shape)));
@@ -580,7 +712,7 @@ inline std::string json_string(const std::string& s) {
   return out + "\"";
 }
 
-inline void write_safetensors(const fs::path& file, const std::vector<ExportedTensor>& tensors,
+inline void write_safetensors(const fs::path& file, std::span<const Written> tensors,
                               const std::string& metadata_json) {
   struct Entry {
     std::string name, dtype;
@@ -591,13 +723,14 @@ inline void write_safetensors(const fs::path& file, const std::vector<ExportedTe
   auto st = [](const std::string& d) {
     return d == "float32" ? "F32" : d == "float16" ? "F16" : d == "int8" ? "I8" : d == "uint64" ? "U64" : "BF16";
   };
-  for (const ExportedTensor& t : tensors) {
+  for (const Written& w : tensors) {
+    const ExportedTensor& t = *w.tensor;
     if (t.sparse) {
-      entries.push_back({t.name + ".values", st(t.dtype), {t.indices.size()}, t.values});
+      entries.push_back({t.name + ".values", st(t.dtype), {t.indices.size()}, w.values});
       entries.push_back({t.name + ".indices", "U64", {t.indices.size()}, std::as_bytes(std::span(t.indices))});
       entries.push_back({t.name + ".shape", "U64", {t.shape.size()}, std::as_bytes(std::span(t.shape))});
     } else {
-      entries.push_back({t.name, st(t.dtype), t.shape, t.values});
+      entries.push_back({t.name, st(t.dtype), t.shape, w.values});
     }
     if (!t.scales.empty()) entries.push_back({t.name + ".scale", "F32", {t.scales.size()}, std::as_bytes(std::span(t.scales))});
   }
@@ -631,15 +764,22 @@ inline fs::path write_export(std::vector<Source> sources, std::uint64_t step, co
   } catch (const fs::filesystem_error& e) {
     throw checkpoint_error("psx: export into " + base.string() + ": " + e.what());
   }
-  std::vector<ExportedTensor> tensors;
+  // A float32 tensor stored whole is written from its source's floats (no
+  // copy); a source converted to another dtype is let go of at once. So an
+  // export holds each variable once, and one converted copy at a time.
+  std::deque<ExportedTensor> tensors;  // stable addresses: `files` points at them
+  std::vector<Written> files;
   std::vector<std::string> owner;  // per tensor, the variable it stores (a table's ids: the table)
   bool tables = false;
   for (Source& s : sources)
     if (o.variables.empty() || matches(o.variables, s.name)) {
-      tensors.push_back(convert(s, o));
+      const ExportedTensor& t = tensors.emplace_back(convert(s, o, true));
+      files.push_back({&t, stored_bytes(t, s)});
+      if (files.back().values.data() != static_cast<const void*>(s.values.data())) std::vector<float>().swap(s.values);
       owner.push_back(s.name);
       if (s.table) {
-        tensors.push_back(ids_tensor(s));
+        const ExportedTensor& ids = tensors.emplace_back(ids_tensor(s));
+        files.push_back({&ids, ids.values});
         owner.push_back(s.name);
       }
       tables = tables || s.table;
@@ -701,9 +841,9 @@ inline fs::path write_export(std::vector<Source> sources, std::uint64_t step, co
       meta.write(std::as_bytes(std::span(json)));
       meta.commit();
     }
-    write_model(temp / "model.psx", tensors, step, written_format);
-    if (o.npz) write_npz(temp / "model.npz", tensors);
-    if (o.safetensors) write_safetensors(temp / "model.safetensors", tensors, json);
+    write_model(temp / "model.psx", files, step, written_format);
+    if (o.npz) write_npz(temp / "model.npz", files);
+    if (o.safetensors) write_safetensors(temp / "model.safetensors", files, json);
     ck::fsync_path(temp, true);
     ck::rename_path(temp, final_dir);
     ck::fsync_path(base, true);
@@ -726,13 +866,17 @@ inline std::vector<float> ExportedTensor::to_float() const {
     throw config_error("psx: tensor '" + name + "' holds uint64 values (a dynamic table's ids): read them with to_ids()");
   const std::size_t n = elements();
   // A sparse tensor's shape is not bounded by its file: a damaged or
-  // crafted one may claim more than memory holds.
+  // crafted one may claim more than memory holds. (A dense one is its
+  // stored elements, made into floats with no second buffer.)
   std::vector<float> out;
-  try {
-    out.assign(n, 0.0f);
-  } catch (const std::exception& e) {  // bad_alloc, length_error
-    throw checkpoint_error("psx: tensor '" + name + "' of " + std::to_string(n) + " elements does not fit in memory as "
-                           "float32 (" + std::to_string(indices.size()) + " stored): " + e.what());
+  if (sparse) {
+    try {
+      out.assign(n, 0.0f);
+    } catch (const std::exception& e) {  // bad_alloc, length_error
+      throw checkpoint_error("psx: tensor '" + name + "' of " + std::to_string(n) +
+                             " elements does not fit in memory as float32 (" + std::to_string(indices.size()) +
+                             " stored): " + e.what());
+    }
   }
   const std::size_t stored = sparse ? indices.size() : n;
   std::vector<float> dense(stored);
@@ -853,17 +997,39 @@ inline Export load_export(const std::filesystem::path& path, const LoadOptions& 
   Export out;
   out.path = dir;
   const fs::path model = dir / "model.psx";
-  ck::Loaded file = ck::read_file(model);
-  // The envelope of a checkpoint file, kind 3.
-  const auto h = ck::decode_header(file.all(), file.size, ck::FileKind::exported, model);
-  const auto meta = file.all().subspan(ck::header_bytes, h.meta_bytes);
-  const auto data = file.all().subspan(ck::header_bytes + h.meta_bytes, h.data_bytes);
-  if (::psx::detail::crc32c(meta) != h.meta_crc) ck::fail(model, "corrupted metadata (CRC-32C mismatch)");
-  if (::psx::detail::crc32c(data) != h.data_crc) ck::fail(model, "corrupted data (CRC-32C mismatch)");
-  if (h.version > detail::exports::format_version)
-    ck::fail(model, "is in export format " + std::to_string(h.version) + "; this psx reads formats 1 to " +
-                        std::to_string(detail::exports::format_version));
-  out.tensors = detail::exports::decode_model(meta, data, model, h.version);
+  ck::Header h;
+  {
+    // Streamed: the envelope of a checkpoint file (kind 3) and the index
+    // first, then each tensor's bytes read straight into it, a block at a
+    // time CRC'd while in cache (no whole-file buffer: a tensor is held
+    // once, not twice), the data's CRC checked before anything read is
+    // trusted.
+    const ck::InputFile in(model);
+    std::array<std::byte, ck::header_bytes> head{};
+    h = ck::decode_header(in.head(head), in.size(), ck::FileKind::exported, model);
+    std::vector<std::byte> meta(static_cast<std::size_t>(h.meta_bytes));
+    in.read(meta.data(), meta.size(), ck::header_bytes);
+    if (::psx::detail::crc32c(meta) != h.meta_crc) ck::fail(model, "corrupted metadata (CRC-32C mismatch)");
+    if (h.version > detail::exports::format_version)
+      ck::fail(model, "is in export format " + std::to_string(h.version) + "; this psx reads formats 1 to " +
+                          std::to_string(detail::exports::format_version));
+    const std::uint64_t data_at = ck::header_bytes + h.meta_bytes;
+    std::uint32_t crc = 0;
+    out.tensors = detail::exports::decode_model_with(
+        meta, h.data_bytes, model, h.version,
+        [&](std::uint64_t at, std::vector<std::byte>& bytes, std::size_t n) {
+          bytes.resize(n);
+          constexpr std::size_t block = std::size_t{4} << 20;
+          for (std::size_t done = 0; done < n; done += block) {
+            const std::size_t len = std::min(block, n - done);
+            in.read(bytes.data() + done, len, data_at + at + done);
+            crc = ::psx::detail::crc32c(std::span<const std::byte>(bytes.data() + done, len), crc);
+          }
+        },
+        [&] {
+          if (crc != h.data_crc) ck::fail(model, "corrupted data (CRC-32C mismatch)");
+        });
+  }
   const fs::path meta_file = dir / "metadata.json";
   const ck::Loaded json = ck::read_file(meta_file);
   ck::check_json_depth(json.all(), meta_file);
@@ -898,6 +1064,7 @@ inline Export load_export(const std::filesystem::path& path, const LoadOptions& 
   if (options.dequantize)
     for (ExportedTensor& t : out.tensors) {
       if (t.dtype == "uint64") continue;  // a table's ids stay ids
+      if (t.dtype == "float32" && !t.sparse) continue;  // dense float32 already (not copied twice)
       std::vector<float> f = t.to_float();
       t.values.resize(f.size() * 4);
       if (!f.empty()) std::memcpy(t.values.data(), f.data(), f.size() * 4);

@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <cstring>
 #include <exception>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <span>
@@ -350,6 +351,32 @@ struct Incoming {
   std::vector<std::unique_ptr<std::uint64_t[]>> owned;
 };
 
+//! Told by `decode_request` of the bytes `[from, to)` of data frame
+//! `frame` as soon as it has copied them out (a tensor joined from chunks
+//! into `Incoming::owned`, in steps of `release_step`), and never reads
+//! them again: the receiver may let go of their memory there and then
+//! (`to == size`: the whole frame is done), so that joining a tensor never
+//! holds its frames and its joined copy whole at once (a 4 GiB push: its
+//! frames and a step, not twice 4 GiB).
+using ReleaseFrame = std::function<void(std::size_t frame, std::size_t from, std::size_t to)>;
+//! How much of a frame is copied between two calls of a ReleaseFrame.
+inline constexpr std::size_t release_step = std::size_t{64} << 20;
+
+//! Copies frame `k`'s bytes `src` to `dst`, telling `release` (where
+//! given) of each step copied.
+inline void copy_frame(std::byte* dst, std::span<const std::byte> src, std::size_t k, const ReleaseFrame& release) {
+  if (!release) {
+    std::memcpy(dst, src.data(), src.size());
+    return;
+  }
+  for (std::size_t at = 0; at < src.size();) {
+    const std::size_t n = std::min(release_step, src.size() - at);
+    std::memcpy(dst + at, src.data() + at, n);
+    release(k, at, at + n);
+    at += n;
+  }
+}
+
 // Item `item`'s tensor of `count` elements starting at frame `next`: a span
 // over the frame when it is one frame aligned for T, else a joined, aligned
 // copy. Only this tensor's frames are looked at, and a message is built only
@@ -358,7 +385,7 @@ struct Incoming {
 template <class T>
 std::span<const T> take_tensor(std::span<const std::span<const std::byte>> frames, std::size_t& next,
                                std::uint64_t count, std::uint32_t chunk, Incoming& in, std::string_view where,
-                               std::uint32_t item) {
+                               std::uint32_t item, const ReleaseFrame& release = {}) {
   if (count == 0) return {};
   auto at = [&] { return std::string(where) + ", item " + std::to_string(item); };
   std::uint64_t bytes = 0;
@@ -391,7 +418,7 @@ std::span<const T> take_tensor(std::span<const std::span<const std::byte>> frame
   auto& buf = in.owned.emplace_back(new std::uint64_t[(bytes + 7) / 8]);
   auto* dst = reinterpret_cast<std::byte*>(buf.get());
   for (std::uint64_t k = 0; k < n; ++k) {
-    std::memcpy(dst, frames[next].data(), frames[next].size());
+    copy_frame(dst, frames[next], next, release);
     dst += frames[next].size();
     ++next;
   }
@@ -401,9 +428,10 @@ std::span<const T> take_tensor(std::span<const std::span<const std::byte>> frame
 //! Decodes a request of this version: `frames[0]` is the header. Checks
 //! every count against the frames and `limits` before using it; the item
 //! contents (variable, shard, sizes against the shard) are the server's to
-//! check. `where` names the sender in messages.
+//! check. `where` names the sender in messages; `release`, where given,
+//! is told of each frame copied out (ReleaseFrame).
 inline Incoming decode_request(std::span<const std::span<const std::byte>> frames, const Limits& limits,
-                               std::string_view where) {
+                               std::string_view where, const ReleaseFrame& release = {}) {
   if (frames.empty()) throw wire_error("psx: " + std::string(where) + ": an empty message");
   const auto h = frames[0];
   const Prefix p = read_prefix(h, where);
@@ -485,8 +513,8 @@ inline Incoming decode_request(std::span<const std::span<const std::byte>> frame
                        std::to_string(reply_bytes + o.bytes()) + " bytes back, over the message limit of " +
                        std::to_string(limits.max_message_bytes));
     reply_bytes += o.bytes();
-    item.ids = take_tensor<std::uint64_t>(frames, next, ids, in.head.chunk, in, where, i);
-    item.in = take_tensor<float>(frames, next, ins, in.head.chunk, in, where, i);
+    item.ids = take_tensor<std::uint64_t>(frames, next, ids, in.head.chunk, in, where, i, release);
+    item.in = take_tensor<float>(frames, next, ins, in.head.chunk, in, where, i, release);
   }
   if (next != frames.size())
     throw wire_error("psx: " + std::string(where) + ": " + std::to_string(frames.size() - next) +

@@ -35,6 +35,7 @@
 #include <poll.h>
 #include <sys/eventfd.h>
 #include <sys/file.h>
+#include <sys/mman.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/un.h>
@@ -302,6 +303,23 @@ inline std::span<const std::byte> bytes_of(const zmq::message_t& m) noexcept {
 
 inline zmq::message_t message_of(const std::vector<std::byte>& bytes) {
   return zmq::message_t(bytes.data(), bytes.size());
+}
+
+// Lets go of bytes [from, to) of a received frame, copied out and never
+// read again (wire::ReleaseFrame): the pages wholly inside them go back to
+// the system at once (MADV_DONTNEED: the rest of a large frame is still
+// being copied), the whole frame once its last byte is copied. The pages
+// hold this frame's bytes only (libzmq keeps its own bookkeeping in front
+// of a large frame's data), and none is read again before it is freed.
+inline void release(zmq::message_t& m, std::size_t from, std::size_t to) noexcept {
+  if (to >= m.size()) {
+    m = zmq::message_t();
+    return;
+  }
+  static const auto page = static_cast<std::uintptr_t>(::sysconf(_SC_PAGESIZE));
+  const auto base = reinterpret_cast<std::uintptr_t>(m.data());
+  const std::uintptr_t lo = (base + from + page - 1) / page * page, hi = (base + to) / page * page;
+  if (hi > lo) (void)::madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_DONTNEED);
 }
 
 // A frame that borrows `seg` and keeps `owner` alive until libzmq is done
@@ -1543,7 +1561,10 @@ class Zmq::link_type {
       std::uint64_t call_id = head.size() >= 16 ? ::psx::detail::wire::get<std::uint64_t>(head, 8) : 0;
       const std::uint32_t worker = head.size() >= 36 ? ::psx::detail::wire::get<std::uint32_t>(head, 32) : 0;
       try {
-        call->in = ::psx::detail::wire::decode_request(spans, l_.settings_.limits, sender(worker));
+        // A tensor joined from chunks lets go of each frame as it is copied.
+        call->in = ::psx::detail::wire::decode_request(
+            spans, l_.settings_.limits, sender(worker),
+            [&](std::size_t k, std::size_t from, std::size_t to) { detail_zmq::release(call->frames[k], from, to); });
         Request& r = call->in.request;
         if (call->in.head.fingerprint != l_.fingerprint_)
           throw wire_error("psx: " + sender(worker) + " was built from other declarations (fingerprint " +
@@ -2248,8 +2269,12 @@ class Zmq::link_type {
         const std::size_t bytes = o.count * o.elem();
         const std::size_t frames = static_cast<std::size_t>(::psx::detail::wire::chunks(bytes, rh.chunk));
         if (o.positions.empty()) {
+          // Each frame let go as it is copied: a large answer never holds
+          // its frames and the caller's filled buffer whole at once.
           for (std::size_t at = 0; at < bytes; ++f) {
-            std::memcpy(o.dst + at, spans[f].data(), spans[f].size());
+            ::psx::detail::wire::copy_frame(o.dst + at, spans[f], f, [&](std::size_t k, std::size_t from, std::size_t to) {
+              detail_zmq::release(msg[k], from, to);
+            });
             at += spans[f].size();
           }
           continue;
