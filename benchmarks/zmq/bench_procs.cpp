@@ -55,6 +55,8 @@
 //
 //   ./bench_procs [reps] [--quick]   (reps: rounds, 9 by default; --quick:
 //                                     2 rounds and shorter batches, ~20 s)
+#include "placement.hpp"
+
 #include <psx/psx.hpp>
 #include <psx/transport/zmq.hpp>
 
@@ -160,22 +162,8 @@ psx::transport::Zmq task(const fs::path& rendezvous, const char* type) {
 
 // --- the two processes ---------------------------------------------------------
 
-// The CPUs for the worker and the server process, when there are two to give.
-struct Placement {
-  int worker = -1, server = -1;
-};
-
-Placement placement() {
-  if (const char* p = std::getenv("PSX_BENCH_PIN"); p && std::string(p) == "0") return {};
-  cpu_set_t set;
-  CPU_ZERO(&set);
-  if (sched_getaffinity(0, sizeof set, &set) != 0) return {};
-  std::vector<int> cpus;
-  for (int c = 0; c < CPU_SETSIZE && cpus.size() < 2; ++c)
-    if (CPU_ISSET(c, &set)) cpus.push_back(c);
-  if (cpus.size() < 2) return {};
-  return {cpus[0], cpus[1]};
-}
+using psx_bench::Placement;
+using psx_bench::placement;
 
 // Moves the calling thread, the only one of its process when called, to
 // `cpu` (nothing for -1); every thread it starts inherits it.

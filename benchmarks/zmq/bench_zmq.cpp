@@ -43,6 +43,8 @@
 //
 //   ./bench_zmq [reps]          (PSX_BUSY_POLL_US=n sets Zmq::busy_poll, to compare;
 //                                PSX_BENCH_PIN=0 leaves the threads to the scheduler)
+#include "placement.hpp"
+
 #include <psx/psx.hpp>
 #include <psx/transport/zmq.hpp>
 
@@ -89,22 +91,8 @@ void declare(PS& ps) {
   ps.declare({.name = "emb", .shape = {table_rows, dim}, .kind = psx::VariableKind::sparse});
 }
 
-// The CPUs for the worker and the server side, when there are two to give.
-struct Placement {
-  int worker = -1, server = -1;
-};
-
-Placement placement() {
-  if (const char* p = std::getenv("PSX_BENCH_PIN"); p && std::string(p) == "0") return {};
-  cpu_set_t set;
-  CPU_ZERO(&set);
-  if (sched_getaffinity(0, sizeof set, &set) != 0) return {};
-  std::vector<int> cpus;
-  for (int c = 0; c < CPU_SETSIZE && cpus.size() < 2; ++c)
-    if (CPU_ISSET(c, &set)) cpus.push_back(c);
-  if (cpus.size() < 2) return {};
-  return {cpus[0], cpus[1]};
-}
+using psx_bench::Placement;
+using psx_bench::placement;
 
 // Moves the calling thread to `cpu` (nothing for -1); the threads it starts
 // from now on inherit it.
