@@ -165,15 +165,7 @@ psx::transport::Zmq task(const fs::path& rendezvous, const char* type) {
 using psx_bench::Placement;
 using psx_bench::placement;
 
-// Moves the calling thread, the only one of its process when called, to
-// `cpu` (nothing for -1); every thread it starts inherits it.
-void run_on(int cpu) {
-  if (cpu < 0) return;
-  cpu_set_t set;
-  CPU_ZERO(&set);
-  CPU_SET(cpu, &set);
-  if (sched_setaffinity(0, sizeof set, &set) != 0) std::fprintf(stderr, "bench_procs: cannot move to CPU %d\n", cpu);
-}
+void run_on(int cpu) { psx_bench::run_on(cpu, "bench_procs"); }
 
 // The server process: forked at construction, running `serve(fd)` with one
 // end of a socketpair (the other is this side's); killed and reaped by the

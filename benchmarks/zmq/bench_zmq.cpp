@@ -94,16 +94,7 @@ void declare(PS& ps) {
 using psx_bench::Placement;
 using psx_bench::placement;
 
-// Moves the calling thread to `cpu` (nothing for -1); the threads it starts
-// from now on inherit it.
-void run_on(int cpu) {
-  if (cpu < 0) return;
-  cpu_set_t set;
-  CPU_ZERO(&set);
-  CPU_SET(cpu, &set);
-  if (pthread_setaffinity_np(pthread_self(), sizeof set, &set) != 0)
-    std::fprintf(stderr, "bench_zmq: cannot move a thread to CPU %d\n", cpu);
-}
+void run_on(int cpu) { psx_bench::run_on(cpu, "bench_zmq"); }
 
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());

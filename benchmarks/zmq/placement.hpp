@@ -5,6 +5,7 @@
 
 #include <sched.h>
 
+#include <cstdio>
 #include <cstdlib>
 #include <string>
 #include <vector>
@@ -25,6 +26,17 @@ inline Placement placement() {
     if (CPU_ISSET(c, &set)) cpus.push_back(c);
   if (cpus.size() < 2) return {};
   return {cpus[0], cpus[1]};
+}
+
+// Moves the calling thread to `cpu` (nothing for -1); the threads it starts
+// from now on inherit it (libzmq starts a context's threads with its first
+// socket). `who` names the program in the warning when it cannot.
+inline void run_on(int cpu, const char* who) {
+  if (cpu < 0) return;
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  CPU_SET(cpu, &set);
+  if (sched_setaffinity(0, sizeof set, &set) != 0) std::fprintf(stderr, "%s: cannot move a thread to CPU %d\n", who, cpu);
 }
 
 }  // namespace psx_bench
