@@ -495,17 +495,9 @@ inline void write_model(const fs::path& file, std::span<const Written> tensors, 
   out.write(std::as_bytes(std::span(index)));
   // One pass: a block at a time CRC'd while in cache, then written.
   std::uint32_t crc = 0;
-  constexpr std::size_t block = std::size_t{4} << 20;
-  auto put = [&](std::span<const std::byte> bytes) {
-    for (std::size_t at = 0; at < bytes.size(); at += block) {
-      const auto part = bytes.subspan(at, std::min(block, bytes.size() - at));
-      crc = ::psx::detail::crc32c(part, crc);
-      out.write(part);
-    }
-  };
   for (const Written& w : tensors) {
-    put(std::as_bytes(std::span(w.tensor->indices)));
-    put(w.values);
+    crc = out.write_summed(std::as_bytes(std::span(w.tensor->indices)), crc, ::psx::detail::crc32c);
+    crc = out.write_summed(w.values, crc, ::psx::detail::crc32c);
   }
   h.data_crc = crc;
   out.write_at(0, ck::encode_header(h));
@@ -569,14 +561,8 @@ class ZipWriter {
       put64(local, size);
     }
     out_.write(std::as_bytes(std::span(local)));
-    std::uint32_t crc = ::psx::detail::crc32_ieee(std::as_bytes(std::span(head)));
-    out_.write(std::as_bytes(std::span(head)));
-    constexpr std::size_t block = std::size_t{4} << 20;
-    for (std::size_t at = 0; at < body.size(); at += block) {
-      const auto part = body.subspan(at, std::min(block, body.size() - at));
-      crc = ::psx::detail::crc32_ieee(part, crc);
-      out_.write(part);
-    }
+    std::uint32_t crc = out_.write_summed(std::as_bytes(std::span(head)), 0, ::psx::detail::crc32_ieee);
+    crc = out_.write_summed(body, crc, ::psx::detail::crc32_ieee);
     std::string crc_bytes;
     put32(crc_bytes, crc);
     out_.write_at(static_cast<std::size_t>(offset_) + 14, std::as_bytes(std::span(crc_bytes)));

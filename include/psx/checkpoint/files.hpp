@@ -106,6 +106,19 @@ class AtomicFile {
       written_ += n;
     }
   }
+  //! Writes `bytes` a block of 4 MiB at a time, each put through `crc`
+  //! (`crc(block, so_far)`, e.g. detail::crc32c) while in cache; returns
+  //! the checksum of everything summed so far, `so_far` included.
+  template <class Crc>
+  std::uint32_t write_summed(std::span<const std::byte> bytes, std::uint32_t so_far, Crc&& crc) {
+    constexpr std::size_t block = std::size_t{4} << 20;
+    for (std::size_t at = 0; at < bytes.size(); at += block) {
+      const auto part = bytes.subspan(at, std::min(block, bytes.size() - at));
+      so_far = crc(part, so_far);
+      write(part);
+    }
+    return so_far;
+  }
   void write_at(std::size_t offset, std::span<const std::byte> bytes) {
     fault_point("write", final_);
     std::size_t done = 0;

@@ -299,11 +299,7 @@ inline void write_server_file(const ::psx::detail::PersistRequest& r, std::span<
   auto put = [&](std::span<const std::byte> bytes) {
     if (!pending.empty() && pending.size() + bytes.size() > block) flush();
     if (bytes.size() >= block) {  // large: straight from where it is
-      for (std::size_t at = 0; at < bytes.size(); at += block) {
-        const auto part = bytes.subspan(at, std::min(block, bytes.size() - at));
-        crc = ::psx::detail::crc32c(part, crc);
-        out.write(part);
-      }
+      crc = out.write_summed(bytes, crc, ::psx::detail::crc32c);
     } else {
       pending.insert(pending.end(), bytes.begin(), bytes.end());
     }
