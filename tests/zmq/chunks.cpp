@@ -4,6 +4,7 @@
 // process), bit for bit as in one process. The same code moves a tensor of
 // 2^32 bytes in frames of 2^31 - 1 (tests/core/big_tensors.cpp, gated).
 #include "../support.hpp"
+#include "tasks.hpp"
 
 #include <psx/psx.hpp>
 #include <psx/transport/zmq.hpp>
@@ -25,9 +26,7 @@
 
 namespace {
 
-using psx::transport::ClusterSpec;
 using psx::transport::Zmq;
-using psx_test::TempDir;
 
 constexpr std::uint32_t kChunk = (1u << 20) + 3;
 constexpr std::size_t kDense = 1'000'003;                // 2 shards of about 2 MB: 2 frames each, floats split
@@ -110,34 +109,14 @@ Result run_inprocess() {
 }
 
 Result run_zmq(std::uint32_t chunk) {
-  TempDir dir("chunks");
-  const ClusterSpec spec = ClusterSpec::local(2, 1);
-  std::mutex mu;
-  std::exception_ptr first;
   Result out;
-  auto task = [&](std::string type, std::size_t index) {
-    try {
-      Zmq z;
-      z.tf.cluster = spec;
-      z.tf.task = {type, index};
-      z.rendezvous = dir.path.string();
-      z.start_timeout = std::chrono::milliseconds(20000);
-      z.chunk_bytes = chunk;
-      psx::ParameterServer<psx::partition::RowRange, psx::sync::Synchronous, psx::optim::SGD, Zmq> ps(
-          {2, 1, std::chrono::milliseconds(20000)}, {}, {}, psx::optim::SGD{1.0}, z);
-      declare(ps);
-      ps.run([&](psx::Worker& w) { train(w, out); });
-    } catch (...) {
-      std::lock_guard lock(mu);
-      if (!first) first = std::current_exception();
-    }
-  };
-  std::vector<std::thread> tasks;
-  tasks.emplace_back(task, "ps", 0);
-  tasks.emplace_back(task, "ps", 1);
-  task("chief", 0);
-  for (auto& t : tasks) t.join();
-  if (first) std::rethrow_exception(first);
+  psx_zmq_test::for_each_task(2, 1, false, [&](const std::string&, std::size_t, Zmq z) {
+    z.chunk_bytes = chunk;
+    psx::ParameterServer<psx::partition::RowRange, psx::sync::Synchronous, psx::optim::SGD, Zmq> ps(
+        {2, 1, std::chrono::milliseconds(20000)}, {}, {}, psx::optim::SGD{1.0}, z);
+    declare(ps);
+    ps.run([&](psx::Worker& w) { train(w, out); });  // only the chief's runs
+  });
   return out;
 }
 

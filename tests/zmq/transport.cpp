@@ -3,6 +3,7 @@
 // same code paths as separate processes (tests/zmq/node.cpp runs those).
 #include "../support.hpp"
 #include "program.hpp"
+#include "tasks.hpp"
 
 #include <psx/psx.hpp>
 #include <psx/transport/zmq.hpp>
@@ -42,12 +43,9 @@ using psx::transport::ClusterSpec;
 using psx::transport::TfConfig;
 using psx::transport::Zmq;
 using psx_test::TempDir;
-
-// A cluster of `ps` servers and `workers` workers (the first the chief):
-// tcp on loopback with ephemeral ports, or ipc in `dir`.
-ClusterSpec spec(std::size_t ps, std::size_t workers, bool ipc, const fs::path& dir) {
-  return ClusterSpec::local(ps, workers, ipc ? dir : fs::path());
-}
+using psx_zmq_test::for_each_task;
+using psx_zmq_test::settings;
+using psx_zmq_test::spec;
 
 // A tcp endpoint on loopback that nothing listens on now: the system's pick
 // for a socket that is closed again at once.
@@ -66,42 +64,9 @@ ClusterSpec one_server_at(const std::string& endpoint) {
   return c;
 }
 
-Zmq settings(const ClusterSpec& c, std::string type, std::size_t index, const fs::path& dir) {
-  Zmq z;
-  z.tf.cluster = c;
-  z.tf.task = {std::move(type), index};
-  z.rendezvous = dir.string();
-  z.start_timeout = std::chrono::milliseconds(20000);
-  return z;
-}
-
 template <class P, class S, class O>
 using ZmqCluster = psx::ParameterServer<P, S, O, Zmq>;
 
-// Runs `task(type, index, settings)` for every task of a local cluster of
-// `ps` servers and `workers` workers, each on a thread; rethrows the first
-// task's exception once all have ended.
-void for_each_task(std::size_t ps, std::size_t workers, bool ipc,
-                   const std::function<void(const std::string&, std::size_t, Zmq)>& task) {
-  TempDir dir;
-  const ClusterSpec c = spec(ps, workers, ipc, dir.path);
-  std::mutex mu;
-  std::exception_ptr first;
-  std::vector<std::thread> tasks;
-  auto run = [&](std::string type, std::size_t index) {
-    try {
-      task(type, index, settings(c, type, index, dir.path));
-    } catch (...) {
-      std::lock_guard lock(mu);
-      if (!first) first = std::current_exception();
-    }
-  };
-  for (std::size_t s = 0; s < ps; ++s) tasks.emplace_back(run, "ps", s);
-  tasks.emplace_back(run, "chief", 0);
-  for (std::size_t w = 1; w < workers; ++w) tasks.emplace_back(run, "worker", w - 1);
-  for (auto& t : tasks) t.join();
-  if (first) std::rethrow_exception(first);
-}
 
 // Trains psx_zmq_test's program on every task; returns what the chief read
 // at the end.
